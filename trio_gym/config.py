@@ -1,0 +1,159 @@
+"""The host's configuration, and how it is layered from file, environment and flags.
+
+Precedence, lowest to highest: defaults < config file < ``NMP_*`` environment variables <
+command-line flags. An image bakes in a file; the orchestrator that launches a sandbox speaks
+through the environment; a person at a terminal uses flags.
+
+The layering is a plain dict merge over one strict model rather than pydantic-settings: every
+source is validated by the same ``extra="forbid"`` model, and an error names the source that
+supplied the bad value (``NMP_RUNTIME_HTTP_PORT='abc'``, ``serve.yaml: port``, ``--port``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Final
+
+import pydantic
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from trio_gym.http import HttpLimits
+
+MiB: Final = 1024 * 1024
+
+PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class ServeConfig(BaseModel):
+    """Everything ``trio-gym serve`` needs. Frozen; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    runner: str = Field(
+        "example", description="'example', or a user runner as 'package.module:factory'."
+    )
+    heartbeat_interval_s: PositiveSeconds = Field(
+        15.0, description="Seconds between single-space heartbeat chunks while a batch runs."
+    )
+    rollout_deadline_s: PositiveSeconds = Field(
+        1800.0, description="Longest a batch may run; a request's deadline_s is capped by it."
+    )
+    max_request_bytes: int = Field(256 * MiB, gt=0)
+    max_response_bytes: int = Field(256 * MiB, gt=0)
+    max_head_bytes: int = Field(16 * 1024, ge=1024, description="Largest request head.")
+    read_timeout_s: PositiveSeconds = Field(
+        30.0, description="Whole request head, and each gap in a body, must arrive within this."
+    )
+    send_timeout_s: PositiveSeconds = Field(
+        30.0, description="A caller that takes no bytes for this long is given up."
+    )
+    max_connections: int = Field(
+        1024, gt=0, description="Connections served at once; more are answered 503 host_busy."
+    )
+    shutdown_grace_s: PositiveSeconds = Field(
+        10.0, description="On SIGTERM, how long in-flight answers get before connections are cut."
+    )
+    job_id: str = Field("", description="Echoed in every results document.")
+    environment_path: str = Field("", description="Echoed in every results document.")
+    work_path: str = Field("", description="Echoed in every results document.")
+
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(
+            max_head_bytes=self.max_head_bytes,
+            read_timeout_s=self.read_timeout_s,
+            send_timeout_s=self.send_timeout_s,
+        )
+
+
+# The environment variables the host honours; the NMP_ names are the upstream host's.
+ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
+    "host": "NMP_RUNTIME_HTTP_HOST",
+    "port": "NMP_RUNTIME_HTTP_PORT",
+    "runner": "NMP_RUNNER",
+    "heartbeat_interval_s": "NMP_HEARTBEAT_INTERVAL_S",
+    "rollout_deadline_s": "NMP_ROLLOUT_DEADLINE_S",
+    "max_request_bytes": "NMP_MAX_REQUEST_BYTES",
+    "max_response_bytes": "NMP_MAX_RESPONSE_BYTES",
+    "max_head_bytes": "NMP_MAX_HEAD_BYTES",
+    "read_timeout_s": "NMP_READ_TIMEOUT_S",
+    "send_timeout_s": "NMP_SEND_TIMEOUT_S",
+    "max_connections": "NMP_MAX_CONNECTIONS",
+    "shutdown_grace_s": "NMP_SHUTDOWN_GRACE_S",
+    "job_id": "NMP_JOB_ID",
+    "environment_path": "NMP_ENVIRONMENT_PATH",
+    "work_path": "NMP_WORK_PATH",
+}
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names each bad key and its source."""
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Load a YAML (or JSON) mapping; raises :class:`ConfigError` naming the file."""
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML or JSON: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the config file must hold a mapping, not {type(data).__name__}")
+    return data
+
+
+def load_serve_config(
+    *,
+    file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> ServeConfig:
+    """Layer defaults, ``file``, ``environ`` (default: ``os.environ``) and ``flags``.
+
+    ``flags`` maps field names to values; ``None`` values mean "flag not given". Raises
+    :class:`ConfigError` with every problem, each naming where the value came from.
+    """
+    environ = os.environ if environ is None else environ
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if file is not None:
+        for key, value in read_config_file(file).items():
+            merged[key] = value
+            sources[key] = f"{file}: {key}"
+    for field, variable in ENVIRONMENT_VARIABLES.items():
+        if variable in environ:
+            merged[field] = environ[variable]
+            sources[field] = f"environment variable {variable}"
+    for field, value in (flags or {}).items():
+        if value is not None:
+            merged[field] = value
+            sources[field] = f"--{field.replace('_', '-')}"
+    try:
+        return ServeConfig.model_validate(merged)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc, sources)) from exc
+
+
+def describe_validation_error(
+    exc: pydantic.ValidationError, sources: Mapping[str, str] | None = None
+) -> str:
+    """One line per problem: where the value came from, what it was, what is wrong."""
+    lines = []
+    for error in exc.errors():
+        location = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        key = str(error["loc"][0]) if error["loc"] else ""
+        where = (sources or {}).get(key, location)
+        if error["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown key {location!r}")
+        elif "input" in error and where != location:
+            lines.append(f"{where}={error['input']!r}: {error['msg']}")
+        else:
+            lines.append(f"{location}: {error['msg']}")
+    return "; ".join(lines)

@@ -1,0 +1,83 @@
+"""The error codes of the wire contract (DESIGN §3.3) and the exception that carries them.
+
+Every refusal the host makes, and every failure it reports after the status line has left,
+is a :class:`WireError`: a machine-readable ``code``, a human ``message`` that says what was
+wrong and what to do, and the HTTP ``status`` it is answered with. One place in the host turns
+a ``WireError`` into a response (:mod:`trio_gym.host.responses`); the trainer client turns the
+envelope back into an exception. Nothing else invents status codes.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+
+class ErrorCode(enum.StrEnum):
+    """Every ``error.code`` the host can put in an envelope or a document."""
+
+    INVALID_REQUEST = "invalid_request"
+    NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    REQUEST_TIMEOUT = "request_timeout"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    HEADERS_TOO_LARGE = "headers_too_large"
+    NOT_IMPLEMENTED = "not_implemented"
+    NOT_READY = "not_ready"
+    BOOTSTRAP_FAILED = "bootstrap_failed"
+    HOST_BUSY = "host_busy"
+    SHUTTING_DOWN = "shutting_down"
+    HTTP_VERSION_NOT_SUPPORTED = "http_version_not_supported"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    INTERNAL = "internal"
+
+
+# The status each code is answered with when it is still possible to choose one. A
+# ``payload_too_large`` about the *response* is a 500 (the caller's request was fine); that
+# one case passes its status explicitly.
+DEFAULT_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.REQUEST_TIMEOUT: 408,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.HEADERS_TOO_LARGE: 431,
+    ErrorCode.NOT_IMPLEMENTED: 501,
+    ErrorCode.NOT_READY: 503,
+    ErrorCode.BOOTSTRAP_FAILED: 503,
+    ErrorCode.HOST_BUSY: 503,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.HTTP_VERSION_NOT_SUPPORTED: 505,
+    ErrorCode.DEADLINE_EXCEEDED: 504,
+    ErrorCode.INTERNAL: 500,
+}
+
+
+class WireError(Exception):
+    """A failure with its place in the wire contract.
+
+    ``headers`` are extra response headers the refusal needs (``Allow`` on a 405,
+    ``Retry-After`` on a busy 503). ``status`` defaults to the code's :data:`DEFAULT_STATUS`.
+    """
+
+    def __init__(
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        status: int | None = None,
+        headers: Sequence[tuple[str, str]] = (),
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.status = DEFAULT_STATUS[code] if status is None else status
+        self.headers = tuple(headers)
+
+    def envelope(self) -> dict[str, Any]:
+        """The ``{"error": {"code", "message"}}`` body of DESIGN §3.1."""
+        return {"error": {"code": self.code.value, "message": self.message}}
+
+    def __repr__(self) -> str:
+        return f"WireError({self.code.value!r}, {self.message!r}, status={self.status})"

@@ -1,0 +1,212 @@
+"""One batch: its lifecycle, running its examples, and the document that answers it."""
+
+from __future__ import annotations
+
+import enum
+import traceback
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Final, TypeVar
+
+import attrs
+import trio
+
+from trio_gym.errors import ErrorCode, WireError
+from trio_gym.http import encode_json
+from trio_gym.http.messages import BODY_PIECE_BYTES
+from trio_gym.logs import log_event
+from trio_gym.runners import ExampleContext, Runner
+
+from .state import HostStats
+
+E = TypeVar("E", bound=BaseException)
+
+IDENTITY_KEYS: Final = ("_ng_task_index", "_ng_rollout_index", "_sg_example_id")
+
+# The upstream host's bounds for a reported traceback: enough to find the failing line of a
+# runner, small enough to read in a log viewer and to never crowd out the results.
+TRACEBACK_FRAMES: Final = 20
+TRACEBACK_CHARS: Final = 8000
+
+
+class BatchState(enum.Enum):
+    ACCEPTED = "accepted"
+    RUNNING = "running"
+    ANSWERING = "answering"  # results are being sent
+    FAILING = "failing"  # an error document is being sent
+    DONE = "done"  # results delivered
+    FAILED = "failed"  # error document delivered
+    ABANDONED = "abandoned"  # the caller left; nothing more can be delivered
+
+
+# Every legal move, in one place.
+TRANSITIONS: Final[dict[BatchState, frozenset[BatchState]]] = {
+    BatchState.ACCEPTED: frozenset({BatchState.RUNNING}),
+    BatchState.RUNNING: frozenset({BatchState.ANSWERING, BatchState.FAILING, BatchState.ABANDONED}),
+    BatchState.ANSWERING: frozenset({BatchState.DONE, BatchState.ABANDONED}),
+    BatchState.FAILING: frozenset({BatchState.FAILED, BatchState.ABANDONED}),
+    BatchState.DONE: frozenset(),
+    BatchState.FAILED: frozenset(),
+    BatchState.ABANDONED: frozenset(),
+}
+
+
+@attrs.define
+class Batch:
+    """A batch's identity and lifecycle; every transition is checked and logged."""
+
+    id: str
+    size: int
+    state: BatchState = BatchState.ACCEPTED
+    accepted_at: float = attrs.field(factory=trio.current_time)
+
+    def advance(self, to: BatchState, **fields: Any) -> None:
+        """Move to ``to``; raises ``RuntimeError`` for a move the table does not allow (a bug)."""
+        if to not in TRANSITIONS[self.state]:
+            raise RuntimeError(f"batch {self.id}: illegal move {self.state.value} -> {to.value}")
+        self.state = to
+        elapsed = round(trio.current_time() - self.accepted_at, 3)
+        log_event(f"batch_{to.value}", batch=self.id, examples=self.size, elapsed_s=elapsed, **fields)
+
+
+class ExampleFailed(Exception):
+    """A runner raised while running example ``index``."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(index, error)
+        self.index = index
+        self.error = error
+
+
+async def run_examples(
+    runner: Runner, examples: Sequence[Mapping[str, Any]], batch_id: str, stats: HostStats
+) -> list[Any]:
+    """Run every example at once; return the results in input order.
+
+    Raises an ``ExceptionGroup`` of :class:`ExampleFailed` if a runner failed (every other
+    example is then cancelled). Cancelling the caller cancels every example; each example's end
+    is counted in ``stats`` as completed, failed or cancelled.
+    """
+    results: list[Any] = [None] * len(examples)
+    async with trio.open_nursery() as nursery:
+        for index, example in enumerate(examples):
+            context = ExampleContext(batch_id=batch_id, index=index)
+            nursery.start_soon(_run_example, runner, example, context, results, stats)
+    return results
+
+
+async def _run_example(
+    runner: Runner,
+    example: Mapping[str, Any],
+    context: ExampleContext,
+    results: list[Any],
+    stats: HostStats,
+) -> None:
+    stats.examples_started += 1
+    try:
+        result = await runner.run_example(example, context)
+    except trio.Cancelled:
+        stats.examples_cancelled += 1
+        raise
+    except Exception as exc:  # any runner failure is this example's failure, reported as such
+        stats.examples_failed += 1
+        raise ExampleFailed(context.index, exc) from exc
+    stats.examples_completed += 1
+    results[context.index] = carry_identity(example, result)
+
+
+def carry_identity(example: Mapping[str, Any], result: Any) -> Any:
+    """Copy the example's identity keys onto an object result that lacks them (or has null).
+
+    A value the runner returned is never overwritten, a non-object result is left alone, and
+    no key is invented: only keys the example has with a value are carried.
+    """
+    if not isinstance(result, dict):
+        return result
+    missing = {
+        key: example[key]
+        for key in IDENTITY_KEYS
+        if example.get(key) is not None and result.get(key) is None
+    }
+    return {**result, **missing} if missing else result
+
+
+def internal_error(failures: Sequence[ExampleFailed]) -> WireError:
+    """The ``internal`` error for the first failed example, with a bounded traceback."""
+    first = min(failures, key=lambda failure: failure.index)
+    error = first.error
+    frames = traceback.format_exception(type(error), error, error.__traceback__, limit=-TRACEBACK_FRAMES)
+    text = "".join(frames)
+    if len(text) > TRACEBACK_CHARS:
+        text = "...\n" + text[-TRACEBACK_CHARS:]
+    others = f" ({len(failures) - 1} other example(s) failed too)" if len(failures) > 1 else ""
+    return WireError(
+        ErrorCode.INTERNAL,
+        f"example {first.index} failed: {type(error).__name__}: {error}{others}\n{text}",
+    )
+
+
+def leaves(group: BaseExceptionGroup[E]) -> list[E]:
+    """The exceptions of a (possibly nested) group, in order."""
+    found: list[E] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            found.extend(leaves(exc))
+        else:
+            found.append(exc)
+    return found
+
+
+@attrs.frozen
+class ResultsInfo:
+    """What every results document carries beside the results."""
+
+    job_id: str
+    environment_path: str
+    work_path: str
+
+
+def encode_results(results: Sequence[Any], info: ResultsInfo, max_bytes: int) -> list[bytes]:
+    """The success document as byte pieces whose concatenation is one JSON object.
+
+    Each result is encoded on its own, so the one that is not JSON is named, and the size limit
+    is enforced while encoding rather than after building the whole document. Raises
+    :class:`WireError` ``internal`` (a result that is not JSON) or ``payload_too_large``
+    (status 500: the request was fine, the answer is too big).
+    """
+    tail = encode_json(attrs.asdict(info))
+    pieces = [b'{"results":[']
+    size = len(pieces[0]) + len(tail) + 1
+    for index, result in enumerate(results):
+        try:
+            encoded = encode_json(result)
+        except (TypeError, ValueError) as exc:
+            raise WireError(
+                ErrorCode.INTERNAL, f"the result of example {index} is not JSON: {exc}"
+            ) from exc
+        size += len(encoded) + (1 if index else 0)
+        if size > max_bytes:
+            raise WireError(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"the results document exceeds max_response_bytes={max_bytes} after "
+                f"{index + 1} of {len(results)} results; send fewer examples per request "
+                "(the trainer's chunk size) or raise max_response_bytes (NMP_MAX_RESPONSE_BYTES)",
+                status=500,
+            )
+        pieces.append(b"," + encoded if index else encoded)
+    pieces.append(b"]," + tail[1:])
+    return pieces
+
+
+def coalesce(pieces: Sequence[bytes], size: int = BODY_PIECE_BYTES) -> Iterator[bytes]:
+    """Join small pieces into runs of about ``size`` bytes, so a document of ten thousand
+    small results is a few hundred writes, not ten thousand."""
+    run: list[bytes] = []
+    length = 0
+    for piece in pieces:
+        run.append(piece)
+        length += len(piece)
+        if length >= size:
+            yield b"".join(run)
+            run, length = [], 0
+    if run:
+        yield b"".join(run)

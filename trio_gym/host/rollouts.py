@@ -1,0 +1,294 @@
+"""``POST /rollouts/run`` (DESIGN §3.3): validate, run the batch under supervision, answer.
+
+The batch runs in one nursery beside
+
+- a heartbeat: one single-space chunk every ``heartbeat_interval_s`` (HTTP/1.1 only), so
+  proxies see bytes long before the batch ends, and a write to a departed caller fails;
+- a caller watcher: a reset means the caller is gone; an end-of-file may be a half-close (the
+  caller shut down its writing side and still reads), so it is probed with two heartbeats a
+  round trip apart: a peer that is really gone answers the first with a reset and fails the
+  second;
+- a shutdown watcher: when the host stops, the batch is cancelled and answered
+  ``shutting_down``.
+
+When the caller is gone, the nursery is cancelled and with it every running example; nothing
+is left running. The deadline is a cancel scope around the examples alone, so a batch that
+outlives it is cancelled and still answered (``deadline_exceeded``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from typing import Annotated, Any, Final
+
+import attrs
+import h11
+import pydantic
+import trio
+from pydantic import BaseModel, ConfigDict, Field
+
+from trio_gym.config import describe_validation_error
+from trio_gym.errors import ErrorCode, WireError
+from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, read_body, send_body, send_json
+
+from .batch import (
+    Batch,
+    BatchState,
+    ExampleFailed,
+    ResultsInfo,
+    coalesce,
+    encode_results,
+    leaves,
+    internal_error,
+    run_examples,
+)
+from .state import Host, new_batch_id
+
+HEARTBEAT: Final = b" "
+# Two probe writes this far apart tell a half-closed caller from a departed one when the round
+# trip is shorter (loopback and in-region links are well under it); for longer round trips the
+# next heartbeat write notices instead, within one more interval.
+PROBE_DELAY_S: Final = 0.2
+
+TOO_LARGE_ADVICE: Final = (
+    "send fewer examples per request, or raise max_request_bytes (NMP_MAX_REQUEST_BYTES)"
+)
+
+
+class RolloutRequest(BaseModel):
+    """The request body: ``{"examples": [{...}, ...], "deadline_s": <optional seconds>}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    examples: list[dict[str, Any]]
+    deadline_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_rollout_request(body: bytes) -> RolloutRequest:
+    """Decode and validate the body; raises ``invalid_request`` saying exactly what is wrong."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise WireError(
+            ErrorCode.INVALID_REQUEST,
+            f"the body is not UTF-8 (invalid byte at offset {exc.start}); send UTF-8 JSON",
+        ) from exc
+    if not text.strip():
+        raise WireError(ErrorCode.INVALID_REQUEST, 'the body is empty; send {"examples": [...]}')
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
+    except ValueError as exc:
+        raise WireError(ErrorCode.INVALID_REQUEST, f"the body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise WireError(
+            ErrorCode.INVALID_REQUEST,
+            f'the body must be a JSON object {{"examples": [...]}}, not {type(data).__name__}',
+        )
+    try:
+        return RolloutRequest.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise WireError(ErrorCode.INVALID_REQUEST, describe_validation_error(exc)) from exc
+
+
+@attrs.frozen
+class Outcome:
+    """How the batch ended, if someone is still there to hear it."""
+
+    pieces: list[bytes] | None = None
+    error: WireError | None = None
+
+
+async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -> None:
+    """Answer one ``POST /rollouts/run``.
+
+    Refusals before the status line (503, 400, 408, 413) are raised as :class:`WireError` for
+    the caller to send; once the status line has left, every failure goes into the document.
+    Returns quietly if the caller left (the batch is logged ``abandoned``).
+    """
+    host.check_accepting()
+    body = await read_body(
+        conn,
+        head,
+        max_bytes=host.config.max_request_bytes,
+        idle_timeout_s=host.limits.read_timeout_s,
+        advice=TOO_LARGE_ADVICE,
+    )
+    request = parse_rollout_request(body)
+    runner = host.runner
+    for index, example in enumerate(request.examples):
+        try:
+            runner.check_example(example)
+        except ValueError as exc:
+            raise WireError(ErrorCode.INVALID_REQUEST, f"examples[{index}]: {exc}") from exc
+    host.check_accepting()  # the body may have taken a while; the host may be stopping now
+
+    deadline_s = min(request.deadline_s or math.inf, host.config.rollout_deadline_s)
+    batch = Batch(new_batch_id(), len(request.examples))
+    batch.advance(
+        BatchState.RUNNING,
+        http_version=(conn.their_http_version or b"").decode(),
+        deadline_s=deadline_s,
+    )
+    host.stats.batches_running += 1
+    try:
+        if conn.their_http_version == b"1.1":
+            await _answer_streaming(host, conn, batch, request.examples, deadline_s)
+        else:
+            await _answer_buffered(host, conn, batch, request.examples, deadline_s)
+    except ConnectionLost as exc:
+        batch.advance(BatchState.ABANDONED, reason=str(exc))
+    finally:
+        host.stats.batches_running -= 1
+
+
+async def _answer_streaming(
+    host: Host,
+    conn: HttpConnection,
+    batch: Batch,
+    examples: Sequence[dict[str, Any]],
+    deadline_s: float,
+) -> None:
+    body = await ChunkedBody.start(conn, 200, content_type="application/json")
+    outcome = await _supervise(host, conn, batch, examples, deadline_s, body)
+    if outcome.error is not None:
+        batch.advance(BatchState.FAILING, code=outcome.error.code.value)
+        await body.send(json.dumps(outcome.error.envelope()).encode())
+        await body.finish()
+        batch.advance(BatchState.FAILED)
+        return
+    assert outcome.pieces is not None
+    batch.advance(BatchState.ANSWERING)
+    for run in coalesce(outcome.pieces):
+        await body.send(run)
+    await body.finish()
+    batch.advance(BatchState.DONE)
+
+
+async def _answer_buffered(
+    host: Host,
+    conn: HttpConnection,
+    batch: Batch,
+    examples: Sequence[dict[str, Any]],
+    deadline_s: float,
+) -> None:
+    """HTTP/1.0 has no chunked framing, so no heartbeat: one answer behind Content-Length."""
+    outcome = await _supervise(host, conn, batch, examples, deadline_s, None)
+    if outcome.error is not None:
+        batch.advance(BatchState.FAILING, code=outcome.error.code.value)
+        await send_json(conn, outcome.error.status, outcome.error.envelope())
+        batch.advance(BatchState.FAILED)
+        return
+    assert outcome.pieces is not None
+    batch.advance(BatchState.ANSWERING)
+    await send_body(conn, 200, b"".join(outcome.pieces), content_type="application/json")
+    batch.advance(BatchState.DONE)
+
+
+async def _supervise(
+    host: Host,
+    conn: HttpConnection,
+    batch: Batch,
+    examples: Sequence[dict[str, Any]],
+    deadline_s: float,
+    body: ChunkedBody | None,
+) -> Outcome:
+    """Run the batch beside its heartbeat and watchers.
+
+    Returns the outcome to send. Raises :class:`ConnectionLost` if the caller left, after every
+    example was cancelled.
+    """
+    if not examples:
+        return _document(host, [])
+    examples_scope = trio.CancelScope(deadline=trio.current_time() + deadline_s)
+    caller_lost: ConnectionLost | None = None
+    outcome = Outcome()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_caller, conn, body)
+            nursery.start_soon(_cancel_on_shutdown, host, examples_scope)
+            if body is not None:
+                nursery.start_soon(_send_heartbeats, body, host.config.heartbeat_interval_s)
+            outcome = await _run(host, batch, examples, examples_scope, deadline_s)
+            nursery.cancel_scope.cancel()
+    except* ConnectionLost as group:
+        caller_lost = leaves(group)[0]
+    if caller_lost is not None:
+        raise caller_lost
+    return outcome
+
+
+async def _run(
+    host: Host,
+    batch: Batch,
+    examples: Sequence[dict[str, Any]],
+    examples_scope: trio.CancelScope,
+    deadline_s: float,
+) -> Outcome:
+    failures: list[ExampleFailed] = []
+    results: list[Any] = []
+    with examples_scope:
+        try:
+            results = await run_examples(host.runner, examples, batch.id, host.stats)
+        except* ExampleFailed as group:
+            failures = leaves(group)
+    if failures:
+        return Outcome(error=internal_error(failures))
+    if examples_scope.cancelled_caught:
+        if host.shutdown_requested.is_set():
+            return Outcome(
+                error=WireError(
+                    ErrorCode.SHUTTING_DOWN,
+                    "the host is shutting down; every example of this batch was cancelled",
+                )
+            )
+        return Outcome(
+            error=WireError(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"the batch of {len(examples)} examples outlived its deadline of {deadline_s:g} s "
+                "and its unfinished examples were cancelled; send fewer or shorter examples per "
+                "request, or a larger deadline_s (capped by NMP_ROLLOUT_DEADLINE_S)",
+            )
+        )
+    return _document(host, results)
+
+
+def _document(host: Host, results: list[Any]) -> Outcome:
+    info = ResultsInfo(
+        job_id=host.config.job_id,
+        environment_path=host.config.environment_path,
+        work_path=host.config.work_path,
+    )
+    try:
+        return Outcome(pieces=encode_results(results, info, host.config.max_response_bytes))
+    except WireError as error:
+        return Outcome(error=error)
+
+
+async def _send_heartbeats(body: ChunkedBody, interval_s: float) -> None:
+    while True:
+        await trio.sleep(interval_s)
+        await body.send(HEARTBEAT)
+
+
+async def _watch_caller(conn: HttpConnection, body: ChunkedBody | None) -> None:
+    """Raise :class:`ConnectionLost` once the caller is known to be gone; return when nothing
+    more can be learned by watching."""
+    await conn.wait_until_peer_stops_sending()
+    if body is None:
+        # HTTP/1.0: no byte may be written before the answer, so a half-closed caller and a
+        # departed one cannot be told apart; a reset is still noticed, the deadline bounds the rest.
+        return
+    await body.send(HEARTBEAT)
+    await trio.sleep(PROBE_DELAY_S)
+    await body.send(HEARTBEAT)
+
+
+async def _cancel_on_shutdown(host: Host, examples_scope: trio.CancelScope) -> None:
+    await host.shutdown_requested.wait()
+    examples_scope.cancel()

@@ -1,0 +1,36 @@
+"""HTTP/1.x mechanics over h11 and trio, for both the host and the trainer client.
+
+Connection handling, framing, limits and graceful close; nothing here knows what a route means.
+"""
+
+from trio_gym.http.client import Endpoint, connect, read_response_head, send_request
+from trio_gym.http.connection import ConnectionLost, HttpConnection
+from trio_gym.http.limits import HttpLimits
+from trio_gym.http.messages import (
+    ChunkedBody,
+    declared_length,
+    encode_json,
+    read_body,
+    read_request_head,
+    send_body,
+    send_empty,
+    send_json,
+)
+
+__all__ = [
+    "ChunkedBody",
+    "ConnectionLost",
+    "Endpoint",
+    "HttpConnection",
+    "HttpLimits",
+    "connect",
+    "declared_length",
+    "encode_json",
+    "read_body",
+    "read_request_head",
+    "read_response_head",
+    "send_body",
+    "send_empty",
+    "send_json",
+    "send_request",
+]

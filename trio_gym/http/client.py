@@ -1,0 +1,96 @@
+"""The client half: open a connection, send a request, read the response head.
+
+Bodies are read with :func:`trio_gym.http.messages.read_body`, the same reader the host uses,
+so there is one parser for both directions.
+"""
+
+from __future__ import annotations
+
+import urllib.parse
+from collections.abc import Sequence
+
+import attrs
+import h11
+import trio
+
+from trio_gym.http.connection import HttpConnection
+from trio_gym.http.limits import HttpLimits
+
+
+@attrs.frozen
+class Endpoint:
+    """Where an ``http://`` URL points: host, port, and the base path requests are joined to."""
+
+    host: str
+    port: int
+    base_path: str
+
+    @classmethod
+    def parse(cls, url: str) -> Endpoint:
+        """Parse ``http://host[:port][/base]``; raises ``ValueError`` naming what is wrong."""
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "http":
+            raise ValueError(f"{url!r}: only http:// URLs are supported (got {parts.scheme!r})")
+        if not parts.hostname:
+            raise ValueError(f"{url!r}: the URL names no host")
+        return cls(parts.hostname, parts.port or 80, parts.path.rstrip("/"))
+
+    @property
+    def authority(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def target(self, path: str) -> str:
+        return f"{self.base_path}{path}"
+
+
+async def connect(endpoint: Endpoint, limits: HttpLimits) -> HttpConnection:
+    """Open a TCP connection; raises ``OSError`` when it cannot be made."""
+    stream = await trio.open_tcp_stream(endpoint.host, endpoint.port)
+    return HttpConnection(stream, h11.CLIENT, limits)
+
+
+async def send_request(
+    conn: HttpConnection,
+    endpoint: Endpoint,
+    method: str,
+    path: str,
+    body: bytes,
+    *,
+    headers: Sequence[tuple[str, str]] = (),
+) -> None:
+    """Send one request framed by ``Content-Length`` (``0`` included).
+
+    Raises :class:`~trio_gym.http.connection.ConnectionLost` if the peer is gone.
+    """
+    request = h11.Request(
+        method=method,
+        target=endpoint.target(path),
+        headers=[
+            ("host", endpoint.authority),
+            ("content-length", str(len(body))),
+            ("connection", "close"),
+            *headers,
+        ],
+    )
+    events: list[h11.Event] = [request]
+    if body:
+        events.append(h11.Data(data=body))
+    events.append(h11.EndOfMessage())
+    await conn.send(*events)
+
+
+async def read_response_head(conn: HttpConnection) -> h11.Response:
+    """Read the final response head, skipping ``1xx`` interim responses.
+
+    No deadline of its own: the caller bounds the whole exchange. Raises
+    ``h11.RemoteProtocolError`` for a head that is not HTTP, ``ConnectionLost`` on a reset, and
+    ``EOFError`` if the peer closed before answering.
+    """
+    while True:
+        event = await conn.next_event()
+        if isinstance(event, h11.Response):
+            return event
+        if isinstance(event, h11.ConnectionClosed):
+            raise EOFError("the peer closed the connection without answering")
+        assert isinstance(event, h11.InformationalResponse), event

@@ -1,0 +1,192 @@
+"""One h11 connection over one trio stream: serialised, bounded writes and size-limited reads.
+
+This is the only place bytes meet a stream. It knows nothing of routes or documents; both the
+host and the trainer client drive their exchanges through it.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import h11
+import trio
+
+from trio_gym.http.limits import HttpLimits
+
+Role = type[h11.CLIENT] | type[h11.SERVER]
+
+# States in which the peer's next bytes belong to a message head.
+_HEAD_STATES: Final = (h11.IDLE, h11.SEND_RESPONSE)
+
+
+class ConnectionLost(Exception):
+    """The peer is gone (reset, broken pipe) or stopped reading for ``send_timeout_s``.
+
+    Nothing more can be exchanged on this connection; the only thing left to do is close it.
+    """
+
+
+class HttpConnection:
+    """An HTTP/1.x exchange over ``stream``, as ``role`` (``h11.CLIENT`` or ``h11.SERVER``).
+
+    Writes go through :meth:`send`, reads through :meth:`next_event`. One task may read while
+    another writes; concurrent writers are serialised.
+    """
+
+    def __init__(self, stream: trio.abc.Stream, role: Role, limits: HttpLimits) -> None:
+        self.limits = limits
+        self._stream = stream
+        self._h11 = h11.Connection(role, max_incomplete_event_size=limits.max_head_bytes)
+        self._send_lock = trio.StrictFIFOLock()
+        self._head_bytes = 0
+        self._lost = False
+        self.request_method: bytes | None = None
+
+    @property
+    def their_http_version(self) -> bytes | None:
+        """The peer's HTTP version once its head has arrived, else ``None``."""
+        return self._h11.their_http_version
+
+    @property
+    def peer_is_done_sending(self) -> bool:
+        """True once the peer's whole message (head and body) has been read."""
+        return self._h11.their_state in (h11.DONE, h11.MUST_CLOSE, h11.CLOSED)
+
+    @property
+    def peer_waits_for_100_continue(self) -> bool:
+        """True if the peer sent ``Expect: 100-continue`` and is holding its body back."""
+        return self._h11.they_are_waiting_for_100_continue
+
+    @property
+    def can_send_response(self) -> bool:
+        """True while a server may still choose a status line (none has been sent)."""
+        return self._h11.our_state in (h11.IDLE, h11.SEND_RESPONSE)
+
+    @property
+    def lost(self) -> bool:
+        """True once a write failed or stalled: the peer can no longer be reached."""
+        return self._lost
+
+    async def send(self, *events: h11.Event) -> None:
+        """Write ``events`` as one piece, in order, after any write already queued.
+
+        The span from h11's ``send`` (which advances h11's state) to the end of ``send_all`` is
+        shielded: cancelled half-way, h11 would believe bytes went out that never did, and the
+        next event (the final document after a heartbeat, say) would be refused or corrupt the
+        framing. The shield is bounded by ``send_timeout_s`` because an unbounded shield hangs
+        forever against a peer that stops reading.
+
+        A checkpoint. ``Cancelled`` can only be raised before the lock is taken (nothing written)
+        or after the write completed. Raises :class:`ConnectionLost` if the peer is gone or did
+        not take the bytes within ``send_timeout_s``; the connection is then unusable.
+        ``h11.LocalProtocolError`` means the caller broke HTTP: a bug, not the peer's doing.
+        """
+        async with self._send_lock:
+            if self._lost:
+                raise ConnectionLost("an earlier write to this peer failed")
+            data = b"".join(self._h11.send(event) or b"" for event in events)
+            with trio.move_on_after(self.limits.send_timeout_s, shield=True) as scope:
+                try:
+                    await self._stream.send_all(data)
+                except trio.BrokenResourceError as exc:
+                    self._lost = True
+                    raise ConnectionLost(f"the peer is gone ({exc.__cause__ or exc})") from exc
+            if scope.cancelled_caught:
+                self._lost = True
+                raise ConnectionLost(
+                    f"the peer did not read for {self.limits.send_timeout_s} s (send_timeout_s)"
+                )
+
+    async def next_event(self) -> h11.Event:
+        """The peer's next event: a head, a piece of body, its end, or ``ConnectionClosed``.
+
+        Blocks until one is complete; put a deadline around it. Reads at most
+        ``max_head_bytes`` at a time while a head is incomplete, and refuses a head larger than
+        that even when it arrives in one read (h11 only checks incomplete heads).
+
+        Raises ``h11.RemoteProtocolError`` (with ``error_status_hint``) for bytes that are not
+        HTTP or break a limit, and :class:`ConnectionLost` if the peer reset the connection.
+        """
+        while True:
+            event = self._h11.next_event()
+            if event is h11.NEED_DATA:
+                self._h11.receive_data(await self._receive())
+                continue
+            if event is h11.PAUSED:
+                raise RuntimeError("connections are never reused; a second cycle is a bug")
+            assert isinstance(event, h11.Event)
+            if isinstance(event, h11.Request | h11.Response | h11.InformationalResponse):
+                self._check_head_size()
+            if isinstance(event, h11.Request):
+                self.request_method = event.method
+            return event
+
+    def _check_head_size(self) -> None:
+        buffered = len(self._h11.trailing_data[0])
+        size = self._head_bytes - buffered
+        self._head_bytes = buffered
+        if size > self.limits.max_head_bytes:
+            raise h11.RemoteProtocolError(
+                f"the message head is {size} bytes, over the limit of "
+                f"{self.limits.max_head_bytes} bytes",
+                error_status_hint=431,
+            )
+
+    async def _receive(self) -> bytes:
+        in_head = self._h11.their_state in _HEAD_STATES
+        max_bytes = self.limits.max_head_bytes if in_head else self.limits.receive_bytes
+        try:
+            data = await self._stream.receive_some(max_bytes)
+        except trio.BrokenResourceError as exc:
+            raise ConnectionLost(f"the peer reset the connection ({exc.__cause__ or exc})") from exc
+        if in_head:
+            self._head_bytes += len(data)
+        return data
+
+    async def wait_until_peer_stops_sending(self) -> None:
+        """Read and discard whatever the peer sends until it shuts down its sending side.
+
+        For use once the peer's message is complete: later bytes (a pipelined request) are not
+        fed to h11, which would refuse them. Returns on end-of-file, which is a *half*-close as
+        often as a full close; raises :class:`ConnectionLost` on a reset. A checkpoint; can
+        block forever against a peer that neither sends nor closes.
+        """
+        while True:
+            try:
+                data = await self._stream.receive_some(self.limits.receive_bytes)
+            except trio.BrokenResourceError as exc:
+                raise ConnectionLost(f"the peer reset the connection ({exc.__cause__ or exc})") from exc
+            if not data:
+                return
+
+    async def close(self) -> None:
+        """Close so that the peer reads everything we sent, then release the stream.
+
+        Closing a socket whose input holds unread bytes makes the kernel send a reset, and a
+        reset makes the *peer's* kernel drop our answer if it has not read it yet (measured:
+        ``http.client`` uploading 50 MB saw ``ConnectionResetError`` instead of a 413). So: shut
+        down our writing side, read and discard the peer's bytes until it closes, within
+        ``drain_timeout_s`` and ``drain_max_bytes``, then close. Idempotent. A checkpoint; if
+        cancelled, the stream is closed at once.
+        """
+        try:
+            if not self._lost and isinstance(self._stream, trio.abc.HalfCloseableStream):
+                with trio.move_on_after(self.limits.drain_timeout_s):
+                    await self._stream.send_eof()
+                    await self._drain()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass  # the peer left first: there is nothing left to protect
+        finally:
+            await self._stream.aclose()
+
+    async def _drain(self) -> None:
+        drained = 0
+        while drained <= self.limits.drain_max_bytes:
+            data = await self._stream.receive_some(self.limits.receive_bytes)
+            if not data:
+                return
+            drained += len(data)
+
+    async def aclose(self) -> None:
+        """Close the stream at once, without draining. Idempotent."""
+        await self._stream.aclose()

@@ -1,0 +1,243 @@
+"""Reading and writing whole HTTP messages on an :class:`HttpConnection`.
+
+The framing rule of DESIGN §3.1 lives here and nowhere else: every response this project sends
+is framed by ``Content-Length`` (``0`` included) or by chunked transfer coding ending in the
+zero-length chunk, and says ``Connection: close``. A body delimited only by the connection
+closing is never written — a proxy that does not wait for the close takes whatever it has as
+the whole answer (the seed bug: a lone heartbeat space returned as a complete 200).
+
+Four ways to send a response — :func:`send_empty`, :func:`send_body`, :func:`send_json`,
+:class:`ChunkedBody` — and one way to read a body, :func:`read_body`, shared by the host
+(request bodies) and the trainer client (response bodies).
+"""
+
+from __future__ import annotations
+
+import http
+import json
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import h11
+import trio
+
+from trio_gym.errors import ErrorCode, WireError
+from trio_gym.http.connection import ConnectionLost, HttpConnection
+
+Headers = Sequence[tuple[str, str]]
+
+# A body goes out in pieces of this size, each its own bounded write: large enough that framing
+# and per-write overhead vanish (about 10 bytes of chunk header per 256 KiB), small enough that
+# one piece crosses any working link well within send_timeout_s.
+BODY_PIECE_BYTES: Final = 256 * 1024
+
+SUPPORTED_VERSIONS: Final = (b"1.0", b"1.1")
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return http.HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""
+
+
+def _response(status: int, headers: Headers) -> h11.Response:
+    return h11.Response(
+        status_code=status,
+        reason=_reason(status),
+        headers=[*headers, ("connection", "close")],
+    )
+
+
+async def send_body(
+    conn: HttpConnection,
+    status: int,
+    body: bytes,
+    *,
+    content_type: str,
+    headers: Headers = (),
+) -> None:
+    """Send a whole response behind ``Content-Length``.
+
+    To a ``HEAD`` request the headers say what a ``GET`` would get and no body follows. Raises
+    :class:`ConnectionLost` if the peer is gone; a checkpoint.
+    """
+    head = _response(
+        status,
+        [("content-type", content_type), ("content-length", str(len(body))), *headers],
+    )
+    if conn.request_method == b"HEAD" or not body:
+        await conn.send(head, h11.EndOfMessage())
+        return
+    view = memoryview(body)
+    pieces = [view[i : i + BODY_PIECE_BYTES] for i in range(0, len(body), BODY_PIECE_BYTES)]
+    await conn.send(head, h11.Data(data=pieces[0]))
+    for piece in pieces[1:]:
+        await conn.send(h11.Data(data=piece))
+    await conn.send(h11.EndOfMessage())
+
+
+async def send_empty(conn: HttpConnection, status: int, *, headers: Headers = ()) -> None:
+    """Send a response with no body, framed by ``Content-Length: 0``.
+
+    Without it h11 would frame an HTTP/1.1 answer as chunked and an HTTP/1.0 answer by closing
+    the connection — the one framing DESIGN §3.1 forbids.
+    """
+    await conn.send(_response(status, [("content-length", "0"), *headers]), h11.EndOfMessage())
+
+
+def encode_json(document: Any) -> bytes:
+    """Compact UTF-8 JSON; ``NaN`` and infinities are refused (they are not JSON)."""
+    return json.dumps(document, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+async def send_json(
+    conn: HttpConnection, status: int, document: Any, *, headers: Headers = ()
+) -> None:
+    """Send ``document`` as an ``application/json`` body behind ``Content-Length``."""
+    await send_body(
+        conn, status, encode_json(document), content_type="application/json", headers=headers
+    )
+
+
+class ChunkedBody:
+    """A response whose body is written piece by piece under chunked transfer coding.
+
+    Chunked coding exists only in HTTP/1.1, and h11 silently drops it for an HTTP/1.0 peer and
+    writes the pieces raw, delimited by the close alone; so :meth:`start` refuses a 1.0 peer
+    outright instead. The body ends with the zero-length chunk written by :meth:`finish`.
+    """
+
+    def __init__(self, conn: HttpConnection) -> None:
+        self._conn = conn
+
+    @classmethod
+    async def start(
+        cls, conn: HttpConnection, status: int, *, content_type: str, headers: Headers = ()
+    ) -> ChunkedBody:
+        """Send the status line and headers now; the body follows through the returned object.
+
+        Raises ``RuntimeError`` for a peer that did not speak HTTP/1.1 (a bug in the caller),
+        :class:`ConnectionLost` if the peer is gone.
+        """
+        if conn.their_http_version != b"1.1":
+            raise RuntimeError("chunked framing needs an HTTP/1.1 peer; answer 1.0 with send_body")
+        head = _response(
+            status, [("content-type", content_type), ("transfer-encoding", "chunked"), *headers]
+        )
+        await conn.send(head)
+        return cls(conn)
+
+    async def send(self, data: bytes | memoryview) -> None:
+        """Send ``data`` as one or more chunks. Empty data is refused: it would write nothing."""
+        if not data:
+            raise ValueError("an empty chunk cannot be sent; finish() ends the body")
+        view = memoryview(data)
+        for i in range(0, len(view), BODY_PIECE_BYTES):
+            await self._conn.send(h11.Data(data=view[i : i + BODY_PIECE_BYTES]))
+
+    async def finish(self) -> None:
+        """Write the zero-length chunk that tells every reader the body is complete."""
+        await self._conn.send(h11.EndOfMessage())
+
+
+def declared_length(head: h11.Request | h11.Response) -> int | None:
+    """The ``Content-Length`` a head declares (h11 has already checked it), else ``None``."""
+    for name, value in head.headers:
+        if name == b"content-length":
+            return int(value)
+    return None
+
+
+def refusal_for(exc: h11.RemoteProtocolError) -> WireError:
+    """The answer to bytes that are not HTTP or break a limit, from h11's status hint."""
+    if exc.error_status_hint == 431:
+        return WireError(ErrorCode.HEADERS_TOO_LARGE, f"request head too large: {exc}")
+    if exc.error_status_hint == 501:
+        return WireError(ErrorCode.NOT_IMPLEMENTED, f"unsupported request framing: {exc}")
+    return WireError(ErrorCode.INVALID_REQUEST, f"malformed HTTP request: {exc}")
+
+
+async def read_request_head(conn: HttpConnection) -> h11.Request:
+    """Read one request head within ``read_timeout_s`` of starting.
+
+    Returns the request. Raises :class:`WireError` with what to answer (400 malformed, 408 too
+    slow, 431 too large, 501 unsupported framing, 505 a version other than 1.0 and 1.1), or
+    :class:`ConnectionLost` when the peer left before sending a request (nothing to answer).
+    """
+    timeout = conn.limits.read_timeout_s
+    with trio.move_on_after(timeout):
+        try:
+            event = await conn.next_event()
+        except h11.RemoteProtocolError as exc:
+            raise refusal_for(exc) from exc
+        if isinstance(event, h11.ConnectionClosed):
+            raise ConnectionLost("the peer closed the connection before sending a request")
+        assert isinstance(event, h11.Request), event
+        if event.http_version not in SUPPORTED_VERSIONS:
+            raise WireError(
+                ErrorCode.HTTP_VERSION_NOT_SUPPORTED,
+                f"HTTP/{event.http_version.decode('ascii', 'replace')} is not supported; "
+                "send HTTP/1.1 (or HTTP/1.0)",
+            )
+        return event
+    raise WireError(
+        ErrorCode.REQUEST_TIMEOUT,
+        f"the request head did not arrive within {timeout:g} s; send the whole request at once",
+    )
+
+
+async def read_body(
+    conn: HttpConnection,
+    head: h11.Request | h11.Response,
+    *,
+    max_bytes: int,
+    idle_timeout_s: float,
+    advice: str = "",
+    on_data: Callable[[bytes], None] | None = None,
+) -> bytes:
+    """Read the body that follows ``head``, whole, however it is framed.
+
+    A declared length over ``max_bytes`` is refused before a byte of the body is read; a
+    chunked body is refused as soon as it grows past ``max_bytes``. ``Expect: 100-continue`` is
+    answered only once the declared length is known to fit. ``on_data`` sees each piece as it
+    arrives (progress, heartbeats).
+
+    Raises :class:`WireError`: 413 too large (``advice`` appended), 408 no byte for
+    ``idle_timeout_s``, 400 bad framing or a body cut short; :class:`ConnectionLost` on a
+    reset. A body delimited by the close is read until the close: the caller decides whether
+    that framing is acceptable.
+    """
+    declared = declared_length(head)
+    if declared is not None and declared > max_bytes:
+        raise _too_large(f"declares {declared} bytes", max_bytes, advice)
+    if conn.peer_waits_for_100_continue:
+        await conn.send(h11.InformationalResponse(status_code=100, headers=[]))
+    body = bytearray()
+    while True:
+        with trio.move_on_after(idle_timeout_s) as idle:
+            try:
+                event = await conn.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise WireError(ErrorCode.INVALID_REQUEST, f"malformed body: {exc}") from exc
+        if idle.cancelled_caught:
+            raise WireError(
+                ErrorCode.REQUEST_TIMEOUT,
+                f"no byte of the body arrived for {idle_timeout_s:g} s "
+                f"({len(body)} bytes received)",
+            )
+        if isinstance(event, h11.Data):
+            body += event.data
+            if len(body) > max_bytes:
+                raise _too_large(f"grew past {max_bytes} bytes", max_bytes, advice)
+            if on_data is not None:
+                on_data(event.data)
+        elif isinstance(event, h11.EndOfMessage):
+            return bytes(body)
+        else:
+            raise WireError(ErrorCode.INVALID_REQUEST, f"the body ended early ({event!r})")
+
+
+def _too_large(what: str, max_bytes: int, advice: str) -> WireError:
+    message = f"the body {what}, over the limit of {max_bytes} bytes"
+    return WireError(ErrorCode.PAYLOAD_TOO_LARGE, f"{message}; {advice}" if advice else message)

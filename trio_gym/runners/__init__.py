@@ -1,0 +1,7 @@
+"""Runners: what turns one example into one result (DESIGN §6)."""
+
+from trio_gym.runners.base import ExampleContext, Runner
+from trio_gym.runners.example import ExampleRunner
+from trio_gym.runners.loading import RunnerLoadError, load_runner
+
+__all__ = ["ExampleContext", "ExampleRunner", "Runner", "RunnerLoadError", "load_runner"]

@@ -1,0 +1,44 @@
+"""Turning the ``runner`` setting into a runner object."""
+
+from __future__ import annotations
+
+import importlib
+
+from trio_gym.runners.base import Runner
+from trio_gym.runners.example import ExampleRunner
+
+
+class RunnerLoadError(Exception):
+    """The runner setting names nothing usable; the message says what and how to fix it."""
+
+
+def load_runner(spec: str) -> Runner:
+    """``"example"``, or ``"package.module:factory"`` where ``factory()`` returns a runner.
+
+    Raises :class:`RunnerLoadError`. Importing runs the user's module, so this is the host's
+    "starting runner" stage, reported on ``/health``, not something done while parsing config.
+    """
+    if spec == "example":
+        return ExampleRunner()
+    module_name, sep, attribute = spec.partition(":")
+    if not sep or not module_name or not attribute:
+        raise RunnerLoadError(
+            f"runner {spec!r}: expected 'example' or 'package.module:factory'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RunnerLoadError(f"runner {spec!r}: cannot import {module_name!r}: {exc}") from exc
+    try:
+        factory = getattr(module, attribute)
+    except AttributeError as exc:
+        raise RunnerLoadError(
+            f"runner {spec!r}: module {module_name!r} has no attribute {attribute!r}"
+        ) from exc
+    runner = factory()
+    if not isinstance(runner, Runner):
+        raise RunnerLoadError(
+            f"runner {spec!r}: {attribute}() returned {type(runner).__name__}, which lacks "
+            "check_example(example) and async run_example(example, context)"
+        )
+    return runner

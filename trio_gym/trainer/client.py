@@ -1,0 +1,411 @@
+"""The trainer's rollout client (DESIGN §5): batches in, results or a correctly named failure out.
+
+A batch is split into chunks; each chunk is one ``POST /rollouts/run``; at most
+``max_in_flight`` chunks are on the wire at once. Every failure is a :class:`RolloutError`
+whose ``origin`` sends the reader to the right system:
+
+=====================================================  =========  =========
+what happened                                          origin     retried
+=====================================================  =========  =========
+no response headers (refused, reset, DNS, timeout)     proxy      yes
+non-2xx with the host's ``{"error": {code, message}}``  sandbox    no
+a 2xx whose document is ``{"error": ...}``              sandbox    no
+a body of heartbeat whitespace only                    sandbox    no
+a body that is not UTF-8 / JSON / the expected shape   sandbox    no
+non-2xx with a flat ``{"code", "message"}``            proxy      no
+any other non-2xx body (an HTML 502 page)              proxy      yes
+the body died after the headers arrived                proxy      no
+the request is over the host's size limit (413)        client     no
+=====================================================  =========  =========
+
+A chunk whose body had started is never re-sent: the host was already running it, and a
+second copy would run every example twice. Bugs in this process propagate as themselves.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Protocol
+
+import attrs
+import h11
+import trio
+
+from trio_gym.errors import ErrorCode, WireError
+from trio_gym.http import (
+    ConnectionLost,
+    Endpoint,
+    HttpLimits,
+    connect,
+    encode_json,
+    read_body,
+    read_response_head,
+    send_request,
+)
+from trio_gym.logs import log_event
+
+QUOTE_BYTES: Final = 512
+
+
+class Origin(enum.StrEnum):
+    SANDBOX = "sandbox"
+    PROXY = "proxy"
+    CLIENT = "client"
+
+
+class RolloutError(Exception):
+    """A chunk (or a whole batch) failed; ``origin`` says where to look."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        origin: Origin,
+        retryable: bool,
+        status: int | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.origin = origin
+        self.retryable = retryable
+        self.status = status
+        self.code = code
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Survives pickling across worker processes with its attributes intact.
+        return (
+            _rebuild_error,
+            (type(self), self.message, self.origin, self.retryable, self.status, self.code),
+        )
+
+    def __str__(self) -> str:
+        return f"[{self.origin.value}] {self.message}"
+
+
+def _rebuild_error(
+    cls: type[RolloutError],
+    message: str,
+    origin: Origin,
+    retryable: bool,
+    status: int | None,
+    code: str | None,
+) -> RolloutError:
+    return cls(message, origin=origin, retryable=retryable, status=status, code=code)
+
+
+class Progress(Protocol):
+    """What a progress display hears; every method is called from the client's trio tasks."""
+
+    def chunk_started(self, chunk: int, attempt: int, size: int) -> None: ...
+    def heartbeat(self, chunk: int) -> None: ...
+    def chunk_finished(self, chunk: int, results: Sequence[Any]) -> None: ...
+    def chunk_failed(self, chunk: int, error: RolloutError) -> None: ...
+
+
+class SilentProgress:
+    def chunk_started(self, chunk: int, attempt: int, size: int) -> None:
+        pass
+
+    def heartbeat(self, chunk: int) -> None:
+        pass
+
+    def chunk_finished(self, chunk: int, results: Sequence[Any]) -> None:
+        pass
+
+    def chunk_failed(self, chunk: int, error: RolloutError) -> None:
+        pass
+
+
+@attrs.frozen
+class ClientSettings:
+    """How the client splits, paces and bounds its requests."""
+
+    chunk_size: int = 8
+    max_in_flight: int = 8
+    max_attempts: int = 3
+    backoff_s: float = 1.0
+    """Retry ``n`` waits ``n * backoff_s`` first, outside the concurrency limit."""
+    request_deadline_s: float = 1800.0 + 120.0
+    """A host's own deadline (1800 s by default) should end a batch first; this bounds a host or
+    proxy that keeps a request open forever."""
+    host_deadline_s: float | None = None
+    """Sent as the request's ``deadline_s`` when set."""
+    max_response_bytes: int = 256 * 1024 * 1024
+    idle_timeout_s: float = 120.0
+    """The longest gap between bytes of a response; heartbeats (15 s) keep a healthy one busy."""
+
+
+class RolloutClient:
+    """Runs batches against one host. Async, trio-only; safe to share between tasks."""
+
+    def __init__(
+        self,
+        url: str,
+        settings: ClientSettings | None = None,
+        *,
+        progress: Progress | None = None,
+        limits: HttpLimits | None = None,
+    ) -> None:
+        self.endpoint = Endpoint.parse(url)
+        self.settings = settings or ClientSettings()
+        self.progress: Progress = progress or SilentProgress()
+        self.limits = limits or HttpLimits()
+
+    async def run(self, examples: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """Run ``examples``; return one result per example, in input order.
+
+        Raises ``ValueError`` for an empty batch and :class:`RolloutError` if any chunk failed
+        (the message counts the failed chunks and carries the first failure's cause).
+        """
+        if not examples:
+            raise ValueError("an empty batch has nothing to run; pass at least one example")
+        size = self.settings.chunk_size
+        chunks = [examples[i : i + size] for i in range(0, len(examples), size)]
+        answers: list[list[Any] | RolloutError] = [[] for _ in chunks]
+        limiter = trio.CapacityLimiter(self.settings.max_in_flight)
+        async with trio.open_nursery() as nursery:
+            for index, chunk in enumerate(chunks):
+                nursery.start_soon(self._run_chunk, index, chunk, limiter, answers)
+        results: list[Any] = []
+        failures: list[RolloutError] = []
+        for answer in answers:
+            if isinstance(answer, RolloutError):
+                failures.append(answer)
+            else:
+                results.extend(answer)
+        if failures:
+            raise _batch_failure(failures, len(chunks))
+        return results
+
+    async def _run_chunk(
+        self,
+        index: int,
+        chunk: Sequence[Mapping[str, Any]],
+        limiter: trio.CapacityLimiter,
+        answers: list[list[Any] | RolloutError],
+    ) -> None:
+        attempts = self.settings.max_attempts
+        for attempt in range(1, attempts + 1):
+            async with limiter:
+                log_event("chunk_sending", chunk=index, attempt=attempt, examples=len(chunk))
+                self.progress.chunk_started(index, attempt, len(chunk))
+                try:
+                    results = await self.post(chunk, on_heartbeat=lambda: self.progress.heartbeat(index))
+                except RolloutError as error:
+                    failure = error
+                else:
+                    answers[index] = results
+                    self.progress.chunk_finished(index, results)
+                    return
+            if not failure.retryable or attempt == attempts:
+                break
+            log_event("chunk_retrying", chunk=index, attempt=attempt, error=str(failure))
+            await trio.sleep(self.settings.backoff_s * attempt)
+        final = RolloutError(
+            f"chunk {index} failed after {attempt} attempt(s): {failure.message}",
+            origin=failure.origin,
+            retryable=failure.retryable,
+            status=failure.status,
+            code=failure.code,
+        )
+        answers[index] = final
+        self.progress.chunk_failed(index, final)
+
+    async def post(
+        self,
+        examples: Sequence[Mapping[str, Any]],
+        *,
+        on_heartbeat: Callable[[], None] | None = None,
+    ) -> list[Any]:
+        """One ``POST /rollouts/run`` for ``examples``, without retries."""
+        document: dict[str, Any] = {"examples": list(examples)}
+        if self.settings.host_deadline_s is not None:
+            document["deadline_s"] = self.settings.host_deadline_s
+        payload = encode_json(document)
+        started = trio.current_time()
+        heard_head = False
+        heartbeats = 0
+
+        def on_data(data: bytes) -> None:
+            nonlocal heartbeats
+            if not data.strip():
+                heartbeats += 1
+                if on_heartbeat is not None:
+                    on_heartbeat()
+
+        with trio.move_on_after(self.settings.request_deadline_s) as deadline:
+            try:
+                conn = await connect(self.endpoint, self.limits)
+            except OSError as exc:
+                raise RolloutError(
+                    f"could not connect to {self.endpoint.authority}: {exc}",
+                    origin=Origin.PROXY,
+                    retryable=True,
+                ) from exc
+            try:
+                try:
+                    await send_request(
+                        conn,
+                        self.endpoint,
+                        "POST",
+                        "/rollouts/run",
+                        payload,
+                        headers=[("content-type", "application/json")],
+                    )
+                    head = await read_response_head(conn)
+                except (ConnectionLost, EOFError, h11.RemoteProtocolError) as exc:
+                    raise RolloutError(
+                        f"no response from {self.endpoint.authority}: {exc}",
+                        origin=Origin.PROXY,
+                        retryable=True,
+                    ) from exc
+                heard_head = True
+                try:
+                    body = await read_body(
+                        conn,
+                        head,
+                        max_bytes=self.settings.max_response_bytes,
+                        idle_timeout_s=self.settings.idle_timeout_s,
+                        on_data=on_data,
+                    )
+                except (ConnectionLost, WireError) as exc:
+                    raise RolloutError(
+                        f"the response body died after the headers arrived (HTTP "
+                        f"{head.status_code}, {heartbeats} heartbeat(s) in): {exc}; not retried, "
+                        "because the host had already started these examples",
+                        origin=Origin.PROXY,
+                        retryable=False,
+                        status=head.status_code,
+                    ) from exc
+            finally:
+                await conn.aclose()
+            return decode_response(head.status_code, body, elapsed_s=trio.current_time() - started)
+        assert deadline.cancelled_caught
+        waited = self.settings.request_deadline_s
+        if not heard_head:
+            raise RolloutError(
+                f"no response headers from {self.endpoint.authority} within {waited:g} s",
+                origin=Origin.PROXY,
+                retryable=True,
+            )
+        raise RolloutError(
+            f"no complete answer within {waited:g} s (request_deadline_s) although the host "
+            f"kept sending ({heartbeats} heartbeat(s)); its own deadline should have ended the "
+            "batch first: check its NMP_ROLLOUT_DEADLINE_S",
+            origin=Origin.SANDBOX,
+            retryable=False,
+        )
+
+
+def _quote(body: bytes) -> str:
+    text = body[:QUOTE_BYTES].decode("utf-8", "replace")
+    more = f" ... ({len(body)} bytes)" if len(body) > QUOTE_BYTES else ""
+    return f"{text!r}{more}"
+
+
+def _nested_error(document: Any) -> tuple[str, str] | None:
+    if isinstance(document, dict) and set(document) == {"error"}:
+        error = document["error"]
+        if isinstance(error, dict) and isinstance(error.get("code"), str):
+            return error["code"], str(error.get("message", ""))
+    return None
+
+
+def decode_response(status: int, body: bytes, *, elapsed_s: float = 0.0) -> list[Any]:
+    """Turn one response into the chunk's results, or raise the :class:`RolloutError` for it."""
+    try:
+        document, parsed = json.loads(body.decode("utf-8")), True
+    except ValueError:  # not UTF-8 (UnicodeDecodeError is a ValueError) or not JSON
+        document, parsed = None, False
+    nested = _nested_error(document) if parsed else None
+    if not 200 <= status < 300:
+        if nested is not None:
+            code, message = nested
+            origin = Origin.CLIENT if code == ErrorCode.PAYLOAD_TOO_LARGE and status == 413 else Origin.SANDBOX
+            raise RolloutError(
+                f"the host refused the request with HTTP {status} {code}: {message}",
+                origin=origin,
+                retryable=False,
+                status=status,
+                code=code,
+            )
+        if isinstance(document, dict) and {"code", "message"} <= set(document):
+            raise RolloutError(
+                f"a proxy answered HTTP {status} {document['code']}: {document['message']}",
+                origin=Origin.PROXY,
+                retryable=False,
+                status=status,
+                code=str(document["code"]),
+            )
+        raise RolloutError(
+            f"HTTP {status} with a body the host never sends (a proxy's page?): {_quote(body)}",
+            origin=Origin.PROXY,
+            retryable=True,
+            status=status,
+        )
+    if not body.strip():
+        late = (
+            f" After {elapsed_s:.0f} s, a proxy read timeout is as likely: a proxy log with a "
+            "timeout says proxy, a restarted or OOMKilled host says host."
+            if elapsed_s > 30
+            else ""
+        )
+        raise RolloutError(
+            f"HTTP {status} with only heartbeat whitespace ({len(body)} bytes): the host "
+            f"stopped answering mid-batch (killed, out of memory, evicted).{late}",
+            origin=Origin.SANDBOX,
+            retryable=False,
+            status=status,
+        )
+    if not parsed:
+        raise RolloutError(
+            f"HTTP {status} with a body that is not UTF-8 JSON: {_quote(body)}",
+            origin=Origin.SANDBOX,
+            retryable=False,
+            status=status,
+        )
+    if nested is not None:
+        code, message = nested
+        raise RolloutError(
+            f"the host failed the batch: {code}: {message}",
+            origin=Origin.SANDBOX,
+            retryable=False,
+            status=status,
+            code=code,
+        )
+    if not isinstance(document, dict) or not isinstance(document.get("results"), list):
+        raise RolloutError(
+            f"HTTP {status} with a document of unexpected shape: {_quote(body)}",
+            origin=Origin.SANDBOX,
+            retryable=False,
+            status=status,
+        )
+    return document["results"]
+
+
+def _batch_failure(failures: list[RolloutError], chunks: int) -> RolloutError:
+    first = failures[0]
+    summary = f"{len(failures)} of {chunks} rollout chunk(s) failed"
+    if len(failures) == chunks > 1:
+        summary += "; every chunk failed, so the host itself is the likelier cause"
+    return RolloutError(
+        f"{summary}. First: {first.message}",
+        origin=first.origin,
+        retryable=False,
+        status=first.status,
+        code=first.code,
+    )
+
+
+__all__ = [
+    "ClientSettings",
+    "Origin",
+    "Progress",
+    "RolloutClient",
+    "RolloutError",
+    "SilentProgress",
+    "decode_response",
+]
