@@ -65,9 +65,11 @@ class ScriptedRunner:
     """Each example says what to do: ``{"sleep_s": s, "result": r, "raise": "message"}``."""
 
     def check_example(self, example: Mapping[str, Any]) -> None:
-        unknown = set(example) - {"sleep_s", "result", "raise"} - {
-            key for key in example if key.startswith("_")
-        }
+        unknown = (
+            set(example)
+            - {"sleep_s", "result", "raise"}
+            - {key for key in example if key.startswith("_")}
+        )
         if unknown:
             raise ValueError(f"unknown keys {sorted(unknown)}")
 

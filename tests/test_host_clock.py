@@ -29,7 +29,9 @@ def open_connection(nursery: trio.Nursery, host: Host) -> trio.StapledStream[Any
 
 
 def episodes(count: int, *, meetings: int, think_s: float) -> dict[str, Any]:
-    return {"examples": [{"seed": i, "meetings": meetings, "think_s": think_s} for i in range(count)]}
+    return {
+        "examples": [{"seed": i, "meetings": meetings, "think_s": think_s} for i in range(count)]
+    }
 
 
 async def test_heartbeat_cadence_over_a_30_minute_batch(autojump_clock: trio.abc.Clock) -> None:

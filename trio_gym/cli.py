@@ -68,7 +68,8 @@ def _serve(args: argparse.Namespace) -> int:
     logs.configure()
     flags: dict[str, Any] = {field: getattr(args, field) for field, _, _ in SERVE_FLAGS.values()}
     try:
-        config = load_serve_config(file=args.config, flags=flags)
+        names = {field: flag for flag, (field, _, _) in SERVE_FLAGS.items()}
+        config = load_serve_config(file=args.config, flags=flags, flag_names=names)
     except ConfigError as exc:
         print(f"trio-gym serve: {exc}", file=sys.stderr)
         return 2

@@ -32,35 +32,41 @@ class ServeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = Field("127.0.0.1", description="Address to bind.")
-    port: int = Field(8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    host: str = Field(default="127.0.0.1", description="Address to bind.")
+    port: int = Field(default=8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
     runner: str = Field(
-        "example", description="'example', or a user runner as 'package.module:factory'."
+        default="example", description="'example', or a user runner as 'package.module:factory'."
     )
     heartbeat_interval_s: PositiveSeconds = Field(
-        15.0, description="Seconds between single-space heartbeat chunks while a batch runs."
+        default=15.0,
+        description="Seconds between single-space heartbeat chunks while a batch runs.",
     )
     rollout_deadline_s: PositiveSeconds = Field(
-        1800.0, description="Longest a batch may run; a request's deadline_s is capped by it."
+        default=1800.0,
+        description="Longest a batch may run; a request's deadline_s is capped by it.",
     )
-    max_request_bytes: int = Field(256 * MiB, gt=0)
-    max_response_bytes: int = Field(256 * MiB, gt=0)
-    max_head_bytes: int = Field(16 * 1024, ge=1024, description="Largest request head.")
+    max_request_bytes: int = Field(default=256 * MiB, gt=0)
+    max_response_bytes: int = Field(default=256 * MiB, gt=0)
+    max_head_bytes: int = Field(default=16 * 1024, ge=1024, description="Largest request head.")
     read_timeout_s: PositiveSeconds = Field(
-        30.0, description="Whole request head, and each gap in a body, must arrive within this."
+        default=30.0,
+        description="Whole request head, and each gap in a body, must arrive within this.",
     )
     send_timeout_s: PositiveSeconds = Field(
-        30.0, description="A caller that takes no bytes for this long is given up."
+        default=30.0, description="A caller that takes no bytes for this long is given up."
     )
     max_connections: int = Field(
-        1024, gt=0, description="Connections served at once; more are answered 503 host_busy."
+        default=1024,
+        gt=0,
+        description="Connections served at once; more are answered 503 host_busy.",
     )
     shutdown_grace_s: PositiveSeconds = Field(
-        10.0, description="On SIGTERM, how long in-flight answers get before connections are cut."
+        default=10.0,
+        description="On SIGTERM, how long in-flight answers get before connections are cut.",
     )
-    job_id: str = Field("", description="Echoed in every results document.")
-    environment_path: str = Field("", description="Echoed in every results document.")
-    work_path: str = Field("", description="Echoed in every results document.")
+    job_id: str = Field(default="", description="Echoed in every results document.")
+    environment_path: str = Field(default="", description="Echoed in every results document.")
+    work_path: str = Field(default="", description="Echoed in every results document.")
 
     def http_limits(self) -> HttpLimits:
         return HttpLimits(
@@ -114,11 +120,13 @@ def load_serve_config(
     file: Path | None = None,
     environ: Mapping[str, str] | None = None,
     flags: Mapping[str, Any] | None = None,
+    flag_names: Mapping[str, str] | None = None,
 ) -> ServeConfig:
     """Layer defaults, ``file``, ``environ`` (default: ``os.environ``) and ``flags``.
 
-    ``flags`` maps field names to values; ``None`` values mean "flag not given". Raises
-    :class:`ConfigError` with every problem, each naming where the value came from.
+    ``flags`` maps field names to values; ``None`` values mean "flag not given". ``flag_names``
+    maps a field to the flag that set it, for error messages. Raises :class:`ConfigError` with
+    every problem, each naming where the value came from.
     """
     environ = os.environ if environ is None else environ
     merged: dict[str, Any] = {}
@@ -134,7 +142,7 @@ def load_serve_config(
     for field, value in (flags or {}).items():
         if value is not None:
             merged[field] = value
-            sources[field] = f"--{field.replace('_', '-')}"
+            sources[field] = (flag_names or {}).get(field, f"--{field.replace('_', '-')}")
     try:
         return ServeConfig.model_validate(merged)
     except pydantic.ValidationError as exc:

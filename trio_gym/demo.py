@@ -57,8 +57,13 @@ class DemoProgress:
 
 def demo_examples(count: int) -> list[dict[str, Any]]:
     return [
-        {"seed": seed, "meetings": 3 + seed % 4, "think_s": THINK_S, "_ng_task_index": seed,
-         "_ng_rollout_index": 0}
+        {
+            "seed": seed,
+            "meetings": 3 + seed % 4,
+            "think_s": THINK_S,
+            "_ng_task_index": seed,
+            "_ng_rollout_index": 0,
+        }
         for seed in range(count)
     ]
 

@@ -26,6 +26,7 @@ IDENTITY_KEYS: Final = ("_ng_task_index", "_ng_rollout_index", "_sg_example_id")
 # runner, small enough to read in a log viewer and to never crowd out the results.
 TRACEBACK_FRAMES: Final = 20
 TRACEBACK_CHARS: Final = 8000
+HEADLINE_CHARS: Final = 2000
 
 
 class BatchState(enum.Enum):
@@ -65,7 +66,9 @@ class Batch:
             raise RuntimeError(f"batch {self.id}: illegal move {self.state.value} -> {to.value}")
         self.state = to
         elapsed = round(trio.current_time() - self.accepted_at, 3)
-        log_event(f"batch_{to.value}", batch=self.id, examples=self.size, elapsed_s=elapsed, **fields)
+        log_event(
+            f"batch_{to.value}", batch=self.id, examples=self.size, elapsed_s=elapsed, **fields
+        )
 
 
 class ExampleFailed(Exception):
@@ -134,14 +137,17 @@ def internal_error(failures: Sequence[ExampleFailed]) -> WireError:
     """The ``internal`` error for the first failed example, with a bounded traceback."""
     first = min(failures, key=lambda failure: failure.index)
     error = first.error
-    frames = traceback.format_exception(type(error), error, error.__traceback__, limit=-TRACEBACK_FRAMES)
-    text = "".join(frames)
-    if len(text) > TRACEBACK_CHARS:
-        text = "...\n" + text[-TRACEBACK_CHARS:]
+    headline = f"{type(error).__name__}: {error}"
+    if len(headline) > HEADLINE_CHARS:
+        headline = f"{headline[:HEADLINE_CHARS]}... ({len(headline)} characters)"
+    frames = "".join(traceback.format_tb(error.__traceback__, limit=-TRACEBACK_FRAMES))
+    if len(frames) > TRACEBACK_CHARS:
+        frames = "...\n" + frames[-TRACEBACK_CHARS:]
     others = f" ({len(failures) - 1} other example(s) failed too)" if len(failures) > 1 else ""
     return WireError(
         ErrorCode.INTERNAL,
-        f"example {first.index} failed: {type(error).__name__}: {error}{others}\n{text}",
+        f"example {first.index} failed: {headline}{others}\n"
+        f"Traceback (innermost {TRACEBACK_FRAMES} frames at most):\n{frames}",
     )
 
 

@@ -31,7 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trio_gym.config import describe_validation_error
 from trio_gym.errors import ErrorCode, WireError
-from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, read_body, send_body, send_json
+from trio_gym.http import (
+    ChunkedBody,
+    ConnectionLost,
+    HttpConnection,
+    read_body,
+    send_body,
+    send_json,
+)
 
 from .batch import (
     Batch,
@@ -40,8 +47,8 @@ from .batch import (
     ResultsInfo,
     coalesce,
     encode_results,
-    leaves,
     internal_error,
+    leaves,
     run_examples,
 )
 from .state import Host, new_batch_id

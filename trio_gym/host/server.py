@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -50,7 +51,9 @@ def _allowed(path: str) -> str:
     return ", ".join(method.decode() for method in ROUTES[path])
 
 
-async def _route(host: Host, conn: HttpConnection, head: h11.Request) -> None:
+async def _route(host: Host, conn: HttpConnection, head: h11.Request, *, busy: bool) -> None:
+    if busy:
+        raise _busy(host)
     path = "*" if head.target == b"*" else _route_path(head)
     methods = ROUTES.get(path)
     if methods is None:
@@ -69,17 +72,20 @@ async def _route(host: Host, conn: HttpConnection, head: h11.Request) -> None:
     await handler(host, conn, head)
 
 
+def _busy(host: Host) -> WireError:
+    return WireError(
+        ErrorCode.HOST_BUSY,
+        f"the host is serving its maximum of {host.config.max_connections} connections; "
+        "retry shortly, or raise max_connections (NMP_MAX_CONNECTIONS)",
+        headers=[("retry-after", "1")],
+    )
+
+
 async def _answer(host: Host, conn: HttpConnection, *, busy: bool) -> None:
+    """Read the request and answer it; a refusal of any kind is answered here, in one place."""
     try:
         head = await read_request_head(conn)
-        if busy:
-            raise WireError(
-                ErrorCode.HOST_BUSY,
-                f"the host is serving its maximum of {host.config.max_connections} connections; "
-                "retry shortly, or raise max_connections (NMP_MAX_CONNECTIONS)",
-                headers=[("retry-after", "1")],
-            )
-        await _route(host, conn, head)
+        await _route(host, conn, head, busy=busy)
     except WireError as refusal:
         log_event("refused", status=refusal.status, code=refusal.code.value, reason=refusal.message)
         await send_json(conn, refusal.status, refusal.envelope(), headers=refusal.headers)
@@ -118,13 +124,13 @@ async def _answer_internal_error(conn: HttpConnection) -> None:
     if not conn.can_send_response:
         return
     error = WireError(ErrorCode.INTERNAL, "the host failed unexpectedly; its log has the details")
-    try:
+    with contextlib.suppress(ConnectionLost):
         await send_json(conn, error.status, error.envelope())
-    except ConnectionLost:
-        pass
 
 
-async def serve(host: Host, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve(
+    host: Host, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
     """Bootstrap and serve until :meth:`Host.request_shutdown`, then stop gracefully.
 
     Reports the bound port through ``task_status`` as soon as the socket listens (before the

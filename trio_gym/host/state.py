@@ -1,4 +1,4 @@
-"""What every connection of one serving process shares: readiness, the runner, counters, shutdown."""
+"""What all connections of one serving process share: readiness, runner, counters, shutdown."""
 
 from __future__ import annotations
 

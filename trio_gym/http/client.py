@@ -92,5 +92,5 @@ async def read_response_head(conn: HttpConnection) -> h11.Response:
         if isinstance(event, h11.Response):
             return event
         if isinstance(event, h11.ConnectionClosed):
-            raise EOFError("the peer closed the connection without answering")
-        assert isinstance(event, h11.InformationalResponse), event
+            raise EOFError("the peer closed the connection without answering")  # noqa: TRY004
+        # An interim answer (100 Continue); the final one follows.

@@ -94,7 +94,7 @@ class HttpConnection:
             if scope.cancelled_caught:
                 self._lost = True
                 raise ConnectionLost(
-                    f"the peer did not read for {self.limits.send_timeout_s} s (send_timeout_s)"
+                    f"the peer did not read for {self.limits.send_timeout_s:g} s (send_timeout_s)"
                 )
 
     async def next_event(self) -> h11.Event:
@@ -141,7 +141,7 @@ class HttpConnection:
             raise ConnectionLost(f"the peer reset the connection ({exc.__cause__ or exc})") from exc
         if in_head:
             self._head_bytes += len(data)
-        return data
+        return bytes(data)  # no copy when it already is bytes, as from a socket
 
     async def wait_until_peer_stops_sending(self) -> None:
         """Read and discard whatever the peer sends until it shuts down its sending side.
@@ -155,7 +155,9 @@ class HttpConnection:
             try:
                 data = await self._stream.receive_some(self.limits.receive_bytes)
             except trio.BrokenResourceError as exc:
-                raise ConnectionLost(f"the peer reset the connection ({exc.__cause__ or exc})") from exc
+                raise ConnectionLost(
+                    f"the peer reset the connection ({exc.__cause__ or exc})"
+                ) from exc
             if not data:
                 return
 

@@ -69,8 +69,7 @@ async def send_body(
     if conn.request_method == b"HEAD" or not body:
         await conn.send(head, h11.EndOfMessage())
         return
-    view = memoryview(body)
-    pieces = [view[i : i + BODY_PIECE_BYTES] for i in range(0, len(body), BODY_PIECE_BYTES)]
+    pieces = [body[i : i + BODY_PIECE_BYTES] for i in range(0, len(body), BODY_PIECE_BYTES)]
     await conn.send(head, h11.Data(data=pieces[0]))
     for piece in pieces[1:]:
         await conn.send(h11.Data(data=piece))
@@ -128,13 +127,12 @@ class ChunkedBody:
         await conn.send(head)
         return cls(conn)
 
-    async def send(self, data: bytes | memoryview) -> None:
+    async def send(self, data: bytes) -> None:
         """Send ``data`` as one or more chunks. Empty data is refused: it would write nothing."""
         if not data:
             raise ValueError("an empty chunk cannot be sent; finish() ends the body")
-        view = memoryview(data)
-        for i in range(0, len(view), BODY_PIECE_BYTES):
-            await self._conn.send(h11.Data(data=view[i : i + BODY_PIECE_BYTES]))
+        for i in range(0, len(data), BODY_PIECE_BYTES):
+            await self._conn.send(h11.Data(data=data[i : i + BODY_PIECE_BYTES]))
 
     async def finish(self) -> None:
         """Write the zero-length chunk that tells every reader the body is complete."""

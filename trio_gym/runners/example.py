@@ -45,10 +45,10 @@ class ExampleTask(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    seed: int = Field(0, ge=0)
-    meetings: int = Field(3, ge=1, le=12)
-    think_s: float = Field(0.0, ge=0, le=3600, allow_inf_nan=False)
-    fail_at_step: int | None = Field(None, ge=0)
+    seed: int = Field(default=0, ge=0)
+    meetings: int = Field(default=3, ge=1, le=12)
+    think_s: float = Field(default=0.0, ge=0, le=3600, allow_inf_nan=False)
+    fail_at_step: int | None = Field(default=None, ge=0)
 
     @classmethod
     def from_example(cls, example: Mapping[str, Any]) -> ExampleTask:
@@ -192,9 +192,11 @@ def verify(state: EpisodeState, events: list[Event]) -> float:
         if (
             event.title == meeting.title
             and event.end - event.start == meeting.minutes
-            and DAY_START <= event.start
+            and event.start >= DAY_START
             and event.end <= DAY_END
-            and not any(b_start < event.end and event.start < b_end for b_start, b_end in state.busy)
+            and not any(
+                b_start < event.end and event.start < b_end for b_start, b_end in state.busy
+            )
             and not any(other.overlaps(event.start, event.end) for other in others)
         ):
             correct += 1

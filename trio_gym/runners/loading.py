@@ -22,9 +22,7 @@ def load_runner(spec: str) -> Runner:
         return ExampleRunner()
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
-        raise RunnerLoadError(
-            f"runner {spec!r}: expected 'example' or 'package.module:factory'"
-        )
+        raise RunnerLoadError(f"runner {spec!r}: expected 'example' or 'package.module:factory'")
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -193,7 +193,9 @@ class RolloutClient:
                 log_event("chunk_sending", chunk=index, attempt=attempt, examples=len(chunk))
                 self.progress.chunk_started(index, attempt, len(chunk))
                 try:
-                    results = await self.post(chunk, on_heartbeat=lambda: self.progress.heartbeat(index))
+                    results = await self.post(
+                        chunk, on_heartbeat=lambda: self.progress.heartbeat(index)
+                    )
                 except RolloutError as error:
                     failure = error
                 else:
@@ -324,7 +326,11 @@ def decode_response(status: int, body: bytes, *, elapsed_s: float = 0.0) -> list
     if not 200 <= status < 300:
         if nested is not None:
             code, message = nested
-            origin = Origin.CLIENT if code == ErrorCode.PAYLOAD_TOO_LARGE and status == 413 else Origin.SANDBOX
+            origin = (
+                Origin.CLIENT
+                if code == ErrorCode.PAYLOAD_TOO_LARGE and status == 413
+                else Origin.SANDBOX
+            )
             raise RolloutError(
                 f"the host refused the request with HTTP {status} {code}: {message}",
                 origin=origin,
@@ -383,7 +389,8 @@ def decode_response(status: int, body: bytes, *, elapsed_s: float = 0.0) -> list
             retryable=False,
             status=status,
         )
-    return document["results"]
+    results: list[Any] = document["results"]
+    return results
 
 
 def _batch_failure(failures: list[RolloutError], chunks: int) -> RolloutError:

@@ -1,0 +1,128 @@
+"""The command line, as a user runs it: real subprocesses, real signals, real sockets."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+
+from tests.helpers import read_reply, request_bytes, tcp_exchange
+
+HANG_GUARD_S = 60
+
+
+class LogReader:
+    """Reads a subprocess's JSON-lines stderr, one event at a time."""
+
+    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
+        self.stream = stream
+        self.buffer = b""
+        self.events: list[dict[str, Any]] = []
+
+    async def next_event(self) -> dict[str, Any] | None:
+        while b"\n" not in self.buffer:
+            data = await self.stream.receive_some(65536)
+            if not data:
+                return None
+            self.buffer += data
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        event: dict[str, Any] = json.loads(line)
+        self.events.append(event)
+        return event
+
+    async def wait_for(self, name: str) -> dict[str, Any]:
+        while True:
+            event = await self.next_event()
+            assert event is not None, f"stderr ended before {name!r}: {self.events}"
+            if event["event"] == name:
+                return event
+
+
+@asynccontextmanager
+async def serve_process(
+    *args: str, env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[trio.Process, LogReader, int]]:
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "trio_gym", "serve", "--port", "0", *args],
+        stderr=subprocess.PIPE,
+        env={**os.environ, **(env or {})},
+    )
+    try:
+        assert process.stderr is not None
+        logs = LogReader(process.stderr)
+        with trio.fail_after(HANG_GUARD_S):
+            port = (await logs.wait_for("listening"))["port"]
+            await logs.wait_for("ready")
+        yield process, logs, port
+    finally:
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+
+async def test_serve_honours_nmp_variables_and_answers_a_batch() -> None:
+    env = {"NMP_JOB_ID": "job-42", "NMP_WORK_PATH": "/tmp/work", "NMP_HEARTBEAT_INTERVAL_S": "0.05"}
+    async with serve_process(env=env) as (process, logs, port):
+        request = {"examples": [{"seed": 3, "meetings": 3, "think_s": 0.1}]}
+        reply = await tcp_exchange(port, request_bytes(request))
+        process.send_signal(signal.SIGTERM)
+        with trio.fail_after(HANG_GUARD_S):
+            assert await process.wait() == 0
+    document = reply.json()
+    assert document["job_id"] == "job-42" and document["work_path"] == "/tmp/work"
+    assert document["results"][0]["seed"] == 3
+    assert reply.heartbeat_times  # NMP_HEARTBEAT_INTERVAL_S took effect
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_a_signal_answers_in_flight_batches_shutting_down_and_exits(signum: int) -> None:
+    async with serve_process("--heartbeat-interval", "0.1") as (process, logs, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            request = {"examples": [{"seed": i, "meetings": 3, "think_s": 60} for i in range(3)]}
+            await stream.send_all(request_bytes(request))
+            with trio.fail_after(HANG_GUARD_S):
+                await logs.wait_for("batch_running")
+                process.send_signal(signum)
+                reply = await read_reply(stream)
+        with trio.fail_after(HANG_GUARD_S):
+            assert await process.wait() == 0
+            await logs.wait_for("stopped")
+    assert reply.status == 200 and reply.complete
+    assert reply.json()["error"]["code"] == "shutting_down"
+    names = [event["event"] for event in logs.events]
+    assert names.index("shutdown_requested") < names.index("batch_failing")
+
+
+async def test_a_config_error_exits_2_naming_the_problem(tmp_path: Any) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("port: 0\nheartbeat: 5\n")
+    result = await trio.run_process(
+        [sys.executable, "-m", "trio_gym", "serve", "--config", str(config)],
+        capture_stderr=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert b"heartbeat: unknown key 'heartbeat'" in result.stderr
+
+
+async def test_demo_runs_a_batch_and_prints_a_summary() -> None:
+    command = shutil.which("trio-gym")
+    argv = [command] if command else [sys.executable, "-m", "trio_gym"]
+    with trio.fail_after(HANG_GUARD_S):
+        result = await trio.run_process(
+            [*argv, "demo", "--examples", "8"], capture_stdout=True, capture_stderr=True
+        )
+    out = result.stdout.decode()
+    assert "Summary" in out and "episodes        8" in out
+    progress = result.stderr.decode()
+    assert "chunk 2/2" in progress and "heartbeat" in progress

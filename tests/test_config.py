@@ -1,0 +1,77 @@
+"""Serve configuration: strict keys, layered sources, errors that name their source."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trio_gym.config import ConfigError, ServeConfig, load_serve_config
+
+
+def test_defaults_are_the_contracts_defaults() -> None:
+    config = load_serve_config(environ={})
+    assert (config.host, config.port, config.runner) == ("127.0.0.1", 8080, "example")
+    assert config.heartbeat_interval_s == 15
+    assert config.rollout_deadline_s == 1800
+    assert config.max_request_bytes == config.max_response_bytes == 256 * 1024 * 1024
+
+
+def test_flags_beat_environment_beats_file_beats_defaults(tmp_path: Path) -> None:
+    file = tmp_path / "serve.yaml"
+    file.write_text("port: 9000\nheartbeat_interval_s: 5\njob_id: from-file\nrunner: example\n")
+    environ = {"NMP_RUNTIME_HTTP_PORT": "9100", "NMP_JOB_ID": "from-env"}
+    config = load_serve_config(file=file, environ=environ, flags={"port": 9200, "host": None})
+    assert config.port == 9200  # flag
+    assert config.job_id == "from-env"  # environment over file
+    assert config.heartbeat_interval_s == 5  # file over default
+    assert config.host == "127.0.0.1"  # a flag given as None is "not given"
+
+
+def test_every_upstream_nmp_variable_is_honoured() -> None:
+    environ = {
+        "NMP_RUNTIME_HTTP_PORT": "8181",
+        "NMP_MAX_REQUEST_BYTES": "1000",
+        "NMP_MAX_RESPONSE_BYTES": "2000",
+        "NMP_ROLLOUT_DEADLINE_S": "60",
+        "NMP_JOB_ID": "job-7",
+        "NMP_ENVIRONMENT_PATH": "/env",
+        "NMP_WORK_PATH": "/work",
+    }
+    config = load_serve_config(environ=environ)
+    assert (config.port, config.max_request_bytes, config.max_response_bytes) == (8181, 1000, 2000)
+    assert (config.rollout_deadline_s, config.job_id) == (60, "job-7")
+    assert (config.environment_path, config.work_path) == ("/env", "/work")
+
+
+def test_an_unknown_key_in_the_file_is_an_error_naming_key_and_file(tmp_path: Path) -> None:
+    file = tmp_path / "serve.yaml"
+    file.write_text("port: 9000\nheartbeat_interval: 5\n")
+    with pytest.raises(ConfigError, match=r"serve.yaml: heartbeat_interval: unknown key"):
+        load_serve_config(file=file, environ={})
+
+
+def test_a_bad_environment_value_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"NMP_RUNTIME_HTTP_PORT='eighty'"):
+        load_serve_config(environ={"NMP_RUNTIME_HTTP_PORT": "eighty"})
+
+
+def test_a_bad_flag_names_the_flag() -> None:
+    with pytest.raises(ConfigError, match=r"--heartbeat-interval-s=-1"):
+        load_serve_config(environ={}, flags={"heartbeat_interval_s": -1})
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "port: [1\n"])
+def test_a_file_that_is_not_a_mapping_is_refused(tmp_path: Path, text: str) -> None:
+    file = tmp_path / "serve.yaml"
+    file.write_text(text)
+    with pytest.raises(ConfigError, match=r"serve\.yaml"):
+        load_serve_config(file=file, environ={})
+
+
+def test_the_config_is_frozen_and_strict() -> None:
+    config = ServeConfig()
+    with pytest.raises(ValueError, match="frozen"):
+        config.port = 1  # type: ignore[misc]
+    with pytest.raises(ValueError, match="extra"):
+        ServeConfig(prot=1)  # type: ignore[call-arg]

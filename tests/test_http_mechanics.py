@@ -1,0 +1,127 @@
+"""The h11 layer on its own: bounded shielded writes, head limits, body limits, framing."""
+
+from __future__ import annotations
+
+import h11
+import pytest
+import trio
+import trio.testing
+
+from tests.helpers import request_bytes
+from trio_gym.errors import ErrorCode, WireError
+from trio_gym.http import (
+    ChunkedBody,
+    ConnectionLost,
+    HttpConnection,
+    HttpLimits,
+    read_body,
+    read_request_head,
+    send_empty,
+)
+
+
+async def server_with_request(
+    request: bytes, limits: HttpLimits | None = None, *, lockstep: bool = False
+) -> tuple[HttpConnection, trio.abc.Stream, h11.Request]:
+    client, server = (
+        trio.testing.lockstep_stream_pair() if lockstep else trio.testing.memory_stream_pair()
+    )
+    conn = HttpConnection(server, h11.SERVER, limits or HttpLimits())
+    refusal: WireError | None = None
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client.send_all, request)
+        try:
+            head = await read_request_head(conn)
+        except WireError as exc:
+            refusal = exc
+            nursery.cancel_scope.cancel()
+    if refusal is not None:
+        raise refusal
+    return conn, client, head
+
+
+async def read_until(stream: trio.abc.ReceiveStream, end: bytes) -> bytes:
+    data = b""
+    while not data.endswith(end):
+        data += await stream.receive_some(1)
+    return data
+
+
+async def test_a_write_cancelled_half_way_still_completes(autojump_clock: trio.abc.Clock) -> None:
+    conn, client, _ = await server_with_request(request_bytes(b"{}"), lockstep=True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_until, client, b"\r\n\r\n")  # the head, then nothing more
+        body = await ChunkedBody.start(conn, 200, content_type="application/json")
+
+    received: list[bytes] = []
+
+    async def reader_who_comes_back_at_10_s() -> None:
+        await trio.sleep(10)
+        received.append(await read_until(client, b"0\r\n\r\n"))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reader_who_comes_back_at_10_s)
+        with trio.move_on_after(5):  # the heartbeat's owner is cancelled while its write waits
+            await body.send(b" ")
+        await body.finish()
+    # The cancelled heartbeat went out whole, then the zero-length chunk: framing intact.
+    assert received == [b"1\r\n \r\n0\r\n\r\n"]
+
+
+async def test_a_shielded_write_is_bounded_by_send_timeout(autojump_clock: trio.abc.Clock) -> None:
+    limits = HttpLimits(send_timeout_s=30)
+    conn, client, _ = await server_with_request(request_bytes(b"{}"), limits, lockstep=True)
+    start = trio.current_time()
+    with pytest.raises(ConnectionLost, match=r"did not read for 30 s"), trio.move_on_after(1):
+        await send_empty(conn, 200)  # nobody reads; cancelled at 1 s, given up at 30 s
+    assert trio.current_time() - start == 30
+    assert conn.lost
+    with pytest.raises(ConnectionLost):
+        await send_empty(conn, 200)
+
+
+@pytest.mark.parametrize("version", ["1.0", "1.1"])
+async def test_send_empty_frames_by_content_length_zero(version: str) -> None:
+    conn, client, _ = await server_with_request(request_bytes(method="OPTIONS", version=version))
+    await send_empty(conn, 200)
+    raw = await client.receive_some(1000)
+    assert b"\r\ncontent-length: 0\r\n" in raw
+    assert b"transfer-encoding" not in raw
+
+
+async def test_chunked_body_refuses_an_http_10_peer() -> None:
+    conn, _, _ = await server_with_request(request_bytes(b"{}", version="1.0"))
+    with pytest.raises(RuntimeError, match=r"HTTP/1\.1"):
+        await ChunkedBody.start(conn, 200, content_type="application/json")
+
+
+async def test_the_head_limit_holds_even_when_the_head_arrives_in_one_read() -> None:
+    limits = HttpLimits(max_head_bytes=1024)
+    base = request_bytes(method="GET", target="/health", headers=[("X-Pad", "")])
+    fits = base.replace(b"X-Pad: ", b"X-Pad: " + b"a" * (1024 - len(base)))
+    assert len(fits) == 1024
+    await server_with_request(fits, limits)
+    too_big = fits.replace(b"X-Pad: ", b"X-Pad: a")
+    with pytest.raises(WireError) as refusal:
+        await server_with_request(too_big, limits)
+    assert refusal.value.code is ErrorCode.HEADERS_TOO_LARGE
+
+
+async def test_a_declared_length_over_the_limit_is_refused_before_reading_the_body() -> None:
+    conn, client, head = await server_with_request(
+        b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 101\r\n\r\n" + b"x" * 101
+    )
+    with pytest.raises(WireError) as refusal:
+        await read_body(conn, head, max_bytes=100, idle_timeout_s=5, advice="send less")
+    assert refusal.value.status == 413
+    assert refusal.value.message.endswith("; send less")
+    assert not conn.peer_is_done_sending  # not a byte of the body was consumed
+
+
+async def test_a_chunked_body_is_refused_as_soon_as_it_grows_past_the_limit() -> None:
+    conn, client, head = await server_with_request(
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + b"3c\r\n" + b"x" * 60
+    )
+    with pytest.raises(WireError) as refusal:
+        await read_body(conn, head, max_bytes=50, idle_timeout_s=5)
+    assert refusal.value.status == 413
