@@ -1,0 +1,196 @@
+"""Break one rule at a time on purpose and show which named tests catch it.
+
+Each mutation replaces one exact piece of source in a scratch copy of the checkout, runs the
+tests that claim to guard that rule, and reports whether they failed (they must). The checkout
+itself is never touched.
+
+    python scripts/mutations.py            # every mutation
+    python scripts/mutations.py shield     # the ones whose name contains "shield"
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Mutation(NamedTuple):
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = [
+    Mutation(
+        "close-delimited framing: stream heartbeats to HTTP/1.0 callers as the seed's host did",
+        "trio_gym/host/rollouts.py",
+        'if conn.their_http_version == b"1.1":',
+        "if True:",
+        (
+            "tests/test_proxy_regression.py::test_a_long_batch_arrives_whole_through_the_framing_proxy",
+            "tests/test_host_wire.py::test_http_10_caller_gets_content_length_and_no_chunks",
+        ),
+    ),
+    Mutation(
+        "chunked guard removed as well (h11 then writes the 1.0 body close-delimited)",
+        "trio_gym/http/messages.py",
+        'if conn.their_http_version != b"1.1":',
+        "if False:",
+        ("tests/test_http_mechanics.py::test_chunked_body_refuses_an_http_10_peer",),
+    ),
+    Mutation(
+        "empty responses without Content-Length: 0",
+        "trio_gym/http/messages.py",
+        'await conn.send(_response(status, [("content-length", "0"), *headers]), h11.EndOfMessage())',
+        "await conn.send(_response(status, [*headers]), h11.EndOfMessage())",
+        (
+            "tests/test_host_wire.py::test_empty_responses_carry_content_length_zero",
+            "tests/test_http_mechanics.py::test_send_empty_frames_by_content_length_zero",
+            "tests/test_proxy_regression.py::test_an_empty_response_through_the_framing_proxy_is_framed",
+        ),
+    ),
+    Mutation(
+        "shield removed from the write span",
+        "trio_gym/http/connection.py",
+        "move_on_after(self.limits.send_timeout_s, shield=True)",
+        "move_on_after(self.limits.send_timeout_s, shield=False)",
+        (
+            "tests/test_http_mechanics.py::test_a_write_cancelled_half_way_still_completes",
+            "tests/test_http_mechanics.py::test_a_shielded_write_is_bounded_by_send_timeout",
+        ),
+    ),
+    Mutation(
+        "close without draining (reset destroys the 413)",
+        "trio_gym/host/server.py",
+        "        await _answer(host, conn, busy=busy)\n        await conn.close()",
+        "        await _answer(host, conn, busy=busy)\n        await conn.aclose()",
+        ("tests/test_host_wire.py::test_413_is_read_by_a_client_still_uploading_50_mb",),
+    ),
+    Mutation(
+        "413 decided after reading the body",
+        "trio_gym/http/messages.py",
+        "    if declared is not None and declared > max_bytes:",
+        "    if False:",
+        (
+            "tests/test_http_mechanics.py::test_a_declared_length_over_the_limit_is_refused_before_reading_the_body",
+        ),
+    ),
+    Mutation(
+        "end-of-file taken as a departure (half-closed callers lose their answer)",
+        "trio_gym/host/rollouts.py",
+        "    await conn.wait_until_peer_stops_sending()\n    if body is None:",
+        '    await conn.wait_until_peer_stops_sending()\n    raise ConnectionLost("eof")\n    if body is None:',
+        (
+            "tests/test_host_clock.py::test_half_closed_caller_still_gets_its_answer",
+            "tests/test_host_wire.py::test_a_half_closed_caller_over_tcp_gets_its_answer",
+        ),
+    ),
+    Mutation(
+        "no caller watcher (only heartbeats notice a departure)",
+        "trio_gym/host/rollouts.py",
+        "            nursery.start_soon(_watch_caller, conn, body)\n",
+        "",
+        ("tests/test_host_wire.py::test_a_caller_that_leaves_mid_batch_cancels_every_example",),
+    ),
+    Mutation(
+        "shutdown does not cancel in-flight batches",
+        "trio_gym/host/rollouts.py",
+        "            nursery.start_soon(_cancel_on_shutdown, host, examples_scope)\n",
+        "",
+        (
+            "tests/test_host_clock.py::test_shutdown_answers_in_flight_batches_with_shutting_down",
+            "tests/test_cli.py::test_a_signal_answers_in_flight_batches_shutting_down_and_exits",
+        ),
+    ),
+    Mutation(
+        "the deadline does not apply",
+        "trio_gym/host/rollouts.py",
+        "examples_scope = trio.CancelScope(deadline=trio.current_time() + deadline_s)",
+        "examples_scope = trio.CancelScope()",
+        (
+            "tests/test_host_clock.py::test_deadline_cancels_every_running_example",
+            "tests/test_host_wire.py::test_http_10_deadline_is_504",
+        ),
+    ),
+    Mutation(
+        "results in completion order",
+        "trio_gym/host/batch.py",
+        "    results[context.index] = carry_identity(example, result)",
+        "    results[results.index(None)] = carry_identity(example, result)",
+        ("tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys",),
+    ),
+    Mutation(
+        "identity keys overwrite the runner's values",
+        "trio_gym/host/batch.py",
+        "if example.get(key) is not None and result.get(key) is None",
+        "if example.get(key) is not None",
+        ("tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys",),
+    ),
+    Mutation(
+        "head size checked only by h11 (a head in one read slips through)",
+        "trio_gym/http/connection.py",
+        "        if size > self.limits.max_head_bytes:",
+        "        if False:",
+        (
+            "tests/test_http_mechanics.py::test_the_head_limit_holds_even_when_the_head_arrives_in_one_read",
+            "tests/test_host_wire.py::test_head_just_over_the_limit_in_one_read_gets_431",
+        ),
+    ),
+    Mutation(
+        "no connection cap",
+        "trio_gym/host/server.py",
+        "    if busy:\n        raise _busy(host)",
+        "    if False:\n        raise _busy(host)",
+        ("tests/test_host_wire.py::test_extra_connections_beyond_the_cap_get_503_host_busy",),
+    ),
+    Mutation(
+        "examples not counted as cancelled (the counting that proves cancellation)",
+        "trio_gym/host/batch.py",
+        "        stats.examples_cancelled += 1\n",
+        "",
+        ("tests/test_host_clock.py::test_deadline_cancels_every_running_example",),
+    ),
+]
+
+
+def run(mutation: Mutation) -> bool:
+    """True if the named tests failed under the mutation (the rule is guarded)."""
+    with tempfile.TemporaryDirectory(prefix="trio-gym-mutation-") as scratch:
+        copy = Path(scratch) / "checkout"
+        shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "*.egg-info"))
+        target = copy / mutation.file
+        source = target.read_text()
+        if source.count(mutation.old) != 1:
+            raise SystemExit(f"{mutation.name}: the text to replace is not found exactly once")
+        target.write_text(source.replace(mutation.old, mutation.new))
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests],
+            cwd=copy,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+        print(f"{'CAUGHT' if result.returncode else 'MISSED'}  {mutation.name}\n        {summary}")
+        return result.returncode != 0
+
+
+def main() -> int:
+    wanted = sys.argv[1] if len(sys.argv) > 1 else ""
+    chosen = [m for m in MUTATIONS if wanted in m.name]
+    missed = [m.name for m in chosen if not run(m)]
+    print(f"\n{len(chosen) - len(missed)} of {len(chosen)} mutations caught")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
