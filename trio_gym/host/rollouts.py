@@ -35,9 +35,9 @@ from trio_gym.http import (
     ChunkedBody,
     ConnectionLost,
     HttpConnection,
+    encode_json,
     read_body,
     send_body,
-    send_json,
 )
 
 from .batch import (
@@ -104,11 +104,16 @@ def parse_rollout_request(body: bytes) -> RolloutRequest:
 
 
 @attrs.frozen
-class Outcome:
-    """How the batch ended, if someone is still there to hear it."""
+class Answer:
+    """The document that answers a batch, as byte pieces, and its status when buffered."""
 
-    pieces: list[bytes] | None = None
-    error: WireError | None = None
+    pieces: list[bytes]
+    status: int = 200
+    error: ErrorCode | None = None
+
+    @classmethod
+    def failure(cls, error: WireError) -> Answer:
+        return cls([encode_json(error.envelope())], error.status, error.code)
 
 
 async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -> None:
@@ -144,118 +149,99 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
     )
     host.stats.batches_running += 1
     try:
-        if conn.their_http_version == b"1.1":
-            await _answer_streaming(host, conn, batch, request.examples, deadline_s)
-        else:
-            await _answer_buffered(host, conn, batch, request.examples, deadline_s)
+        await _run_and_answer(host, conn, batch, request.examples, deadline_s)
     except ConnectionLost as exc:
         batch.advance(BatchState.ABANDONED, reason=str(exc))
     finally:
         host.stats.batches_running -= 1
 
 
-async def _answer_streaming(
+async def _run_and_answer(
     host: Host,
     conn: HttpConnection,
     batch: Batch,
     examples: Sequence[dict[str, Any]],
     deadline_s: float,
 ) -> None:
-    body = await ChunkedBody.start(conn, 200, content_type="application/json")
-    outcome = await _supervise(host, conn, batch, examples, deadline_s, body)
-    if outcome.error is not None:
-        batch.advance(BatchState.FAILING, code=outcome.error.code.value)
-        await body.send(json.dumps(outcome.error.envelope()).encode())
+    """HTTP/1.1: the status line now, heartbeats while the batch runs, the document as chunks.
+    HTTP/1.0 has no chunked framing, hence no heartbeats: one answer behind Content-Length."""
+    body = None
+    if conn.their_http_version == b"1.1":
+        body = await ChunkedBody.start(conn, 200, content_type="application/json")
+    answer = await _supervise(host, conn, examples, batch.id, deadline_s, body)
+    if answer.error is None:
+        batch.advance(BatchState.ANSWERING)
+    else:
+        batch.advance(BatchState.FAILING, code=answer.error.value)
+    if body is None:
+        document = b"".join(answer.pieces)
+        await send_body(conn, answer.status, document, content_type="application/json")
+    else:
+        for run in coalesce(answer.pieces):
+            await body.send(run)
         await body.finish()
-        batch.advance(BatchState.FAILED)
-        return
-    assert outcome.pieces is not None
-    batch.advance(BatchState.ANSWERING)
-    for run in coalesce(outcome.pieces):
-        await body.send(run)
-    await body.finish()
-    batch.advance(BatchState.DONE)
-
-
-async def _answer_buffered(
-    host: Host,
-    conn: HttpConnection,
-    batch: Batch,
-    examples: Sequence[dict[str, Any]],
-    deadline_s: float,
-) -> None:
-    """HTTP/1.0 has no chunked framing, so no heartbeat: one answer behind Content-Length."""
-    outcome = await _supervise(host, conn, batch, examples, deadline_s, None)
-    if outcome.error is not None:
-        batch.advance(BatchState.FAILING, code=outcome.error.code.value)
-        await send_json(conn, outcome.error.status, outcome.error.envelope())
-        batch.advance(BatchState.FAILED)
-        return
-    assert outcome.pieces is not None
-    batch.advance(BatchState.ANSWERING)
-    await send_body(conn, 200, b"".join(outcome.pieces), content_type="application/json")
-    batch.advance(BatchState.DONE)
+    batch.advance(BatchState.DONE if answer.error is None else BatchState.FAILED)
 
 
 async def _supervise(
     host: Host,
     conn: HttpConnection,
-    batch: Batch,
     examples: Sequence[dict[str, Any]],
+    batch_id: str,
     deadline_s: float,
     body: ChunkedBody | None,
-) -> Outcome:
+) -> Answer:
     """Run the batch beside its heartbeat and watchers.
 
-    Returns the outcome to send. Raises :class:`ConnectionLost` if the caller left, after every
+    Returns the answer to send. Raises :class:`ConnectionLost` if the caller left, after every
     example was cancelled.
     """
     if not examples:
         return _document(host, [])
     examples_scope = trio.CancelScope(deadline=trio.current_time() + deadline_s)
     caller_lost: ConnectionLost | None = None
-    outcome = Outcome()
+    answer = Answer([])
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_caller, conn, body)
             nursery.start_soon(_cancel_on_shutdown, host, examples_scope)
             if body is not None:
                 nursery.start_soon(_send_heartbeats, body, host.config.heartbeat_interval_s)
-            outcome = await _run(host, batch, examples, examples_scope, deadline_s)
+            answer = await _run(host, examples, batch_id, examples_scope, deadline_s)
             nursery.cancel_scope.cancel()
     except* ConnectionLost as group:
         caller_lost = leaves(group)[0]
     if caller_lost is not None:
         raise caller_lost
-    return outcome
+    return answer
 
 
 async def _run(
     host: Host,
-    batch: Batch,
     examples: Sequence[dict[str, Any]],
+    batch_id: str,
     examples_scope: trio.CancelScope,
     deadline_s: float,
-) -> Outcome:
+) -> Answer:
     failures: list[ExampleFailed] = []
     results: list[Any] = []
     with examples_scope:
         try:
-            results = await run_examples(host.runner, examples, batch.id, host.stats)
+            results = await run_examples(host.runner, examples, batch_id, host.stats)
         except* ExampleFailed as group:
             failures = leaves(group)
     if failures:
-        return Outcome(error=internal_error(failures))
+        return Answer.failure(internal_error(failures))
     if examples_scope.cancelled_caught:
         if host.shutdown_requested.is_set():
-            return Outcome(
-                error=WireError(
+            return Answer.failure(
+                WireError(
                     ErrorCode.SHUTTING_DOWN,
                     "the host is shutting down; every example of this batch was cancelled",
                 )
             )
-        return Outcome(
-            error=WireError(
+        return Answer.failure(
+            WireError(
                 ErrorCode.DEADLINE_EXCEEDED,
                 f"the batch of {len(examples)} examples outlived its deadline of {deadline_s:g} s "
                 "and its unfinished examples were cancelled; send fewer or shorter examples per "
@@ -265,16 +251,16 @@ async def _run(
     return _document(host, results)
 
 
-def _document(host: Host, results: list[Any]) -> Outcome:
+def _document(host: Host, results: list[Any]) -> Answer:
     info = ResultsInfo(
         job_id=host.config.job_id,
         environment_path=host.config.environment_path,
         work_path=host.config.work_path,
     )
     try:
-        return Outcome(pieces=encode_results(results, info, host.config.max_response_bytes))
+        return Answer(encode_results(results, info, host.config.max_response_bytes))
     except WireError as error:
-        return Outcome(error=error)
+        return Answer.failure(error)
 
 
 async def _send_heartbeats(body: ChunkedBody, interval_s: float) -> None:

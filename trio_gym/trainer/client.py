@@ -405,14 +405,3 @@ def _batch_failure(failures: list[RolloutError], chunks: int) -> RolloutError:
         status=first.status,
         code=first.code,
     )
-
-
-__all__ = [
-    "ClientSettings",
-    "Origin",
-    "Progress",
-    "RolloutClient",
-    "RolloutError",
-    "SilentProgress",
-    "decode_response",
-]
