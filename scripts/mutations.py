@@ -26,6 +26,8 @@ class Mutation(NamedTuple):
     old: str
     new: str
     tests: tuple[str, ...]
+    also: tuple[tuple[str, str, str], ...] = ()
+    """Further (file, old, new) edits that belong to the same broken rule."""
 
 
 MUTATIONS = [
@@ -38,6 +40,7 @@ MUTATIONS = [
             "tests/test_proxy_regression.py::test_a_long_batch_arrives_whole_through_the_framing_proxy",
             "tests/test_host_wire.py::test_http_10_caller_gets_content_length_and_no_chunks",
         ),
+        also=(("trio_gym/http/messages.py", 'if conn.their_http_version != b"1.1":', "if False:"),),
     ),
     Mutation(
         "chunked guard removed as well (h11 then writes the 1.0 body close-delimited)",
@@ -166,13 +169,14 @@ def run(mutation: Mutation) -> bool:
     with tempfile.TemporaryDirectory(prefix="trio-gym-mutation-") as scratch:
         copy = Path(scratch) / "checkout"
         shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".git", ".venv", "*.egg-info"))
-        target = copy / mutation.file
-        source = target.read_text()
-        if source.count(mutation.old) != 1:
-            raise SystemExit(f"{mutation.name}: the text to replace is not found exactly once")
-        target.write_text(source.replace(mutation.old, mutation.new))
+        for file, old, new in ((mutation.file, mutation.old, mutation.new), *mutation.also):
+            target = copy / file
+            source = target.read_text()
+            if source.count(old) != 1:
+                raise SystemExit(f"{mutation.name}: {old!r} is not in {file} exactly once")
+            target.write_text(source.replace(old, new))
         result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *mutation.tests],
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *mutation.tests],
             cwd=copy,
             capture_output=True,
             text=True,

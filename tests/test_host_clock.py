@@ -193,3 +193,19 @@ async def test_empty_batch_is_answered_at_once(autojump_clock: trio.abc.Clock) -
         reply = await exchange(client, request_bytes({"examples": []}))
     assert reply.json()["results"] == []
     assert not reply.heartbeat_times
+
+
+async def test_http_10_caller_gets_503_when_the_host_shuts_down(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    host = make_host(runner)
+    async with trio.open_nursery() as nursery:
+        client = open_connection(nursery, host)
+        await client.send_all(request_bytes(episodes(2, meetings=3, think_s=100), version="1.0"))
+        await runner.wait_for(lambda r: len(r.started) == 2)
+        host.request_shutdown()
+        reply = await read_reply(client)
+    assert reply.status == 503 and reply.framing == "content-length"
+    assert reply.json()["error"]["code"] == "shutting_down"
+    assert len(runner.cancelled) == 2
