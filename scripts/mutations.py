@@ -52,8 +52,8 @@ MUTATIONS = [
     Mutation(
         "empty responses without Content-Length: 0",
         "trio_gym/http/messages.py",
-        'await conn.send(_response(status, [("content-length", "0"), *headers]), h11.EndOfMessage())',
-        "await conn.send(_response(status, [*headers]), h11.EndOfMessage())",
+        '_response(status, [("content-length", "0"), *headers])',
+        "_response(status, [*headers])",
         (
             "tests/test_host_wire.py::test_empty_responses_carry_content_length_zero",
             "tests/test_http_mechanics.py::test_send_empty_frames_by_content_length_zero",
@@ -90,7 +90,9 @@ MUTATIONS = [
         "end-of-file taken as a departure (half-closed callers lose their answer)",
         "trio_gym/host/rollouts.py",
         "    await conn.wait_until_peer_stops_sending()\n    if body is None:",
-        '    await conn.wait_until_peer_stops_sending()\n    raise ConnectionLost("eof")\n    if body is None:',
+        "    await conn.wait_until_peer_stops_sending()\n"
+        '    raise ConnectionLost("eof")\n'
+        "    if body is None:",
         (
             "tests/test_host_clock.py::test_half_closed_caller_still_gets_its_answer",
             "tests/test_host_wire.py::test_a_half_closed_caller_over_tcp_gets_its_answer",
@@ -153,6 +155,62 @@ MUTATIONS = [
         "    if busy:\n        raise _busy(host)",
         "    if False:\n        raise _busy(host)",
         ("tests/test_host_wire.py::test_extra_connections_beyond_the_cap_get_503_host_busy",),
+    ),
+    Mutation(
+        "environment_offline does not set UV_OFFLINE",
+        "trio_gym/install/stage.py",
+        '        environ["UV_OFFLINE"] = "1"',
+        "        pass",
+        ("tests/test_install.py::test_wheels_install_and_are_found_by_children_and_by_uv_offline",),
+    ),
+    Mutation(
+        "the config beats the operator's own UV_OFFLINE",
+        "trio_gym/install/stage.py",
+        "if operator_offline is None and config.environment_offline:",
+        "if config.environment_offline:",
+        ("tests/test_install.py::test_the_operators_uv_offline_wins",),
+    ),
+    Mutation(
+        "the installed wheels are not put on sys.path",
+        "trio_gym/install/stage.py",
+        "    sys_path.insert(0, str(target))\n",
+        "",
+        (
+            "tests/test_install.py::test_wheels_install_and_are_found_by_children_and_by_uv_offline",
+            "tests/test_install.py::test_the_host_process_imports_the_installed_wheel",
+        ),
+    ),
+    Mutation(
+        "an unknown key in the caller config passes",
+        "trio_gym/config.py",
+        'model_config = ConfigDict(extra="forbid", frozen=True)\n\n    job_id: str = ""',
+        'model_config = ConfigDict(extra="ignore", frozen=True)\n\n    job_id: str = ""',
+        (
+            "tests/test_config.py::test_an_unknown_key_in_the_caller_config_is_an_error_naming_the_key",
+        ),
+    ),
+    Mutation(
+        "an unknown key in the serve config passes",
+        "trio_gym/config.py",
+        'model_config = ConfigDict(extra="forbid", frozen=True)\n\n    host: str',
+        'model_config = ConfigDict(extra="ignore", frozen=True)\n\n    host: str',
+        ("tests/test_config.py::test_an_unknown_key_in_the_file_is_an_error_naming_key_and_file",),
+    ),
+    Mutation(
+        "the launcher starts without a runtime argument",
+        "scripts/gym_host.sh",
+        'if [[ $# -lt 1 || -z "${1:-}" ]]; then',
+        "if false; then",
+        ("tests/test_launcher.py::test_the_launcher_refuses_to_start_without_a_usable_runtime",),
+    ),
+    Mutation(
+        "the launcher does not put the package on PYTHONPATH",
+        "scripts/gym_host.sh",
+        '  export PYTHONPATH="$package${PYTHONPATH:+:$PYTHONPATH}"',
+        "  :",
+        (
+            "tests/test_launcher.py::test_the_launcher_starts_the_host_with_the_package_on_pythonpath",
+        ),
     ),
     Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",

@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from trio_gym.config import ConfigError, ServeConfig, load_serve_config
+from trio_gym.config import (
+    BOOTSTRAP_VARIABLES,
+    CallerConfig,
+    ConfigError,
+    ServeConfig,
+    load_caller_config,
+    load_serve_config,
+)
 
 
 def test_defaults_are_the_contracts_defaults() -> None:
@@ -75,3 +82,73 @@ def test_the_config_is_frozen_and_strict() -> None:
         config.port = 1  # type: ignore[misc]
     with pytest.raises(ValueError, match="extra"):
         ServeConfig(prot=1)  # type: ignore[call-arg]
+
+
+# --- the caller dialect ---------------------------------------------------------------------
+
+
+def test_an_unknown_key_in_the_caller_config_is_an_error_naming_the_key() -> None:
+    block = {"environment_path": "/env", "environment_ofline": True}  # the seed's kind of typo
+    with pytest.raises(ConfigError, match=r"trainer\.yaml: environment_ofline: unknown key"):
+        load_caller_config(block, source="trainer.yaml")
+
+
+def test_both_dialects_know_environment_offline() -> None:
+    assert load_caller_config({"environment_offline": True}, source="x").environment_offline
+    assert load_serve_config(environ={"NMP_ENVIRONMENT_OFFLINE": "true"}).environment_offline
+
+
+@pytest.mark.parametrize("offline", [True, False])
+@pytest.mark.parametrize("path", ["/sandbox/env", None])
+def test_caller_to_bootstrap_environment_to_serve_config_keeps_every_field(
+    offline: bool, path: str | None
+) -> None:
+    caller = CallerConfig(
+        job_id="job-9",
+        environment_path=path,
+        work_path="/sandbox/work",
+        max_request_bytes=1234,
+        max_response_bytes=5678,
+        rollout_deadline_s=90.5,
+        environment_offline=offline,
+        host_env={"GYM_LOG_LEVEL": "debug"},
+    )
+    environ = caller.bootstrap_environment()
+    assert set(BOOTSTRAP_VARIABLES) <= set(environ)
+    assert environ["GYM_LOG_LEVEL"] == "debug"
+    served = load_serve_config(environ=environ)
+    assert served.job_id == caller.job_id
+    assert served.environment_path == (caller.environment_path or "")
+    assert served.work_path == caller.work_path
+    assert served.max_request_bytes == caller.max_request_bytes
+    assert served.max_response_bytes == caller.max_response_bytes
+    assert served.rollout_deadline_s == caller.rollout_deadline_s
+    assert served.environment_offline is offline
+    assert served.environment_package_required is (path is not None)
+
+
+@pytest.mark.parametrize(
+    ("name", "fragment"),
+    [
+        ("NMP_ENVIRONMENT_OFFLINE", "set from this config's own fields"),
+        ("NMP_JOB_ID", "set from this config's own fields"),
+        ("HF_TOKEN", "looks like a credential"),
+        ("AWS_SECRET_ACCESS_KEY", "looks like a credential"),
+        ("DB_PASSWORD", "looks like a credential"),
+        ("OPENAI_API_KEY", "looks like a credential"),
+        ("1BAD", "not an environment variable name"),
+    ],
+)
+def test_host_env_may_not_redefine_bootstrap_names_or_carry_secrets(
+    name: str, fragment: str
+) -> None:
+    with pytest.raises(ConfigError, match=name) as refusal:
+        load_caller_config({"host_env": {name: "x"}}, source="trainer.yaml")
+    assert fragment in str(refusal.value)
+
+
+def test_ordinary_host_env_names_pass() -> None:
+    caller = load_caller_config(
+        {"host_env": {"GIT_AUTHOR_NAME": "a", "NMP_HEARTBEAT_INTERVAL_S": "5"}}, source="x"
+    )
+    assert load_serve_config(environ=caller.bootstrap_environment()).heartbeat_interval_s == 5

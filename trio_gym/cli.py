@@ -17,9 +17,10 @@ from typing import Any
 import trio
 
 from trio_gym import logs
-from trio_gym.config import ConfigError, load_serve_config
+from trio_gym.config import ConfigError, ServeConfig, load_serve_config
 from trio_gym.demo import run_demo
 from trio_gym.host import Host, serve
+from trio_gym.install import InstallError, PackageError, install_environment, load_package
 
 # serve's flags and the config fields they set (DESIGN §7).
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -30,6 +31,11 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--deadline": ("rollout_deadline_s", float, "longest a batch may run, seconds (1800)"),
     "--max-request-bytes": ("max_request_bytes", int, "largest request body (256 MiB)"),
     "--max-response-bytes": ("max_response_bytes", int, "largest results document (256 MiB)"),
+}
+# The installer stage's flags, taken by both serve and install.
+INSTALL_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--environment-path": ("environment_path", str, "environment package directory"),
+    "--work-path": ("work_path", str, "writable directory the package is installed into"),
 }
 
 
@@ -45,9 +51,23 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the host. Flags override NMP_* environment variables, which override "
         "the config file, which overrides the defaults.",
     )
-    serve_cmd.add_argument("--config", type=Path, help="YAML or JSON serve config")
-    for flag, (field, kind, text) in SERVE_FLAGS.items():
-        serve_cmd.add_argument(flag, dest=field, type=kind, help=text)
+    _add_config_flags(serve_cmd, {**SERVE_FLAGS, **INSTALL_FLAGS})
+
+    install_cmd = commands.add_parser(
+        "install",
+        help="run only the installer stage",
+        description="Validate the environment package and install it as serve would; exit 0 "
+        "when the environment is ready, 1 otherwise.",
+    )
+    _add_config_flags(install_cmd, INSTALL_FLAGS)
+
+    validate_cmd = commands.add_parser(
+        "validate",
+        help="validate an environment package",
+        description="Check an environment package without importing any of its code: print a "
+        "summary (exit 0) or every problem, one per line (exit 1).",
+    )
+    validate_cmd.add_argument("path", type=Path, help="the package directory")
 
     demo_cmd = commands.add_parser(
         "demo", help="run a batch through an in-process host and show the results"
@@ -57,23 +77,77 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_config_flags(
+    parser: argparse.ArgumentParser, flags: dict[str, tuple[str, type, str]]
+) -> None:
+    parser.add_argument("--config", type=Path, help="YAML or JSON serve config")
+    for flag, (field, kind, text) in flags.items():
+        parser.add_argument(flag, dest=field, type=kind, help=text)
+    parser.add_argument(
+        "--environment-offline",
+        dest="environment_offline",
+        action="store_const",
+        const=True,
+        help="the wheelhouse is a complete closure: set UV_OFFLINE=1 (an operator's wins)",
+    )
+    parser.set_defaults(flag_table={**flags, "--environment-offline": ("environment_offline",)})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "install":
+        return _install(args)
+    if args.command == "validate":
+        return _validate(args)
     return _demo(args)
+
+
+def _config(args: argparse.Namespace) -> ServeConfig | None:
+    """The serve config from file, environment and this command's flags; None after an error."""
+    table: dict[str, tuple[Any, ...]] = args.flag_table
+    flags = {spec[0]: getattr(args, spec[0]) for spec in table.values()}
+    names = {spec[0]: flag for flag, spec in table.items()}
+    try:
+        return load_serve_config(file=args.config, flags=flags, flag_names=names)
+    except ConfigError as exc:
+        print(f"trio-gym {args.command}: {exc}", file=sys.stderr)
+        return None
 
 
 def _serve(args: argparse.Namespace) -> int:
     logs.configure()
-    flags: dict[str, Any] = {field: getattr(args, field) for field, _, _ in SERVE_FLAGS.values()}
-    try:
-        names = {field: flag for flag, (field, _, _) in SERVE_FLAGS.items()}
-        config = load_serve_config(file=args.config, flags=flags, flag_names=names)
-    except ConfigError as exc:
-        print(f"trio-gym serve: {exc}", file=sys.stderr)
+    config = _config(args)
+    if config is None:
         return 2
     trio.run(_serve_until_signalled, Host(config))
+    return 0
+
+
+def _install(args: argparse.Namespace) -> int:
+    logs.configure()
+    config = _config(args)
+    if config is None:
+        return 2
+    try:
+        package = trio.run(install_environment, config)
+    except InstallError as exc:
+        print(f"trio-gym install: {exc}", file=sys.stderr)
+        return 1
+    print(package.summary() if package else "no environment package: nothing to install")
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    try:
+        package = load_package(args.path)
+    except PackageError as exc:
+        print(f"{exc.root}: {len(exc.problems)} problem(s)")
+        for problem in exc.problems:
+            print(f"  {problem}")
+        return 1
+    print(package.summary())
     return 0
 
 

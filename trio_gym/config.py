@@ -12,13 +12,14 @@ supplied the bad value (``NMP_RUNTIME_HTTP_PORT='abc'``, ``serve.yaml: port``, `
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trio_gym.http import HttpLimits
 
@@ -65,8 +66,21 @@ class ServeConfig(BaseModel):
         description="On SIGTERM, how long in-flight answers get before connections are cut.",
     )
     job_id: str = Field(default="", description="Echoed in every results document.")
-    environment_path: str = Field(default="", description="Echoed in every results document.")
-    work_path: str = Field(default="", description="Echoed in every results document.")
+    environment_path: str = Field(
+        default="", description="The environment package (nemo-environment.yaml) to install."
+    )
+    work_path: str = Field(default="", description="Writable directory for installs.")
+    environment_offline: bool = Field(
+        default=False,
+        description="Set UV_OFFLINE=1 beside UV_FIND_LINKS so nothing consults an index "
+        "(an operator's own UV_OFFLINE wins).",
+    )
+    environment_package_required: bool = Field(
+        default=False, description="Fail the start when no environment package is found."
+    )
+    install_timeout_s: PositiveSeconds = Field(
+        default=900.0, description="Longest the installer stage's uv run may take."
+    )
 
     def http_limits(self) -> HttpLimits:
         return HttpLimits(
@@ -93,7 +107,93 @@ ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
     "job_id": "NMP_JOB_ID",
     "environment_path": "NMP_ENVIRONMENT_PATH",
     "work_path": "NMP_WORK_PATH",
+    "environment_offline": "NMP_ENVIRONMENT_OFFLINE",
+    "environment_package_required": "NMP_ENVIRONMENT_PACKAGE_REQUIRED",
+    "install_timeout_s": "NMP_INSTALL_TIMEOUT_S",
 }
+
+
+# The variables a caller's bootstrap environment is made of (DESIGN §4, the upstream host's
+# names). A caller's extra host variables may not redefine them.
+BOOTSTRAP_VARIABLES: Final = (
+    "NMP_JOB_ID",
+    "NMP_ENVIRONMENT_PATH",
+    "NMP_WORK_PATH",
+    "NMP_MAX_REQUEST_BYTES",
+    "NMP_MAX_RESPONSE_BYTES",
+    "NMP_ROLLOUT_DEADLINE_S",
+    "NMP_ENVIRONMENT_OFFLINE",
+    "NMP_ENVIRONMENT_PACKAGE_REQUIRED",
+)
+
+# Names that carry secrets. A sandbox's environment is readable by the untrusted code inside
+# it, so a credential must never travel there as an ordinary host variable.
+_CREDENTIAL_NAME: Final = re.compile(
+    r"TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL"
+    r"|AUTH(?!OR)|COOKIE|SESSION_?KEY",
+    re.IGNORECASE,
+)
+_VARIABLE_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class CallerConfig(BaseModel):
+    """The caller dialect: the block a trainer's own config carries to ask for a sandboxed host.
+
+    :meth:`bootstrap_environment` turns it into the environment the host is launched with; the
+    host reads the same variables back into its :class:`ServeConfig`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    job_id: str = ""
+    environment_path: str | None = Field(
+        default=None, description="The environment package; when given, it must exist."
+    )
+    work_path: str = Field(default="/tmp/trio-gym-work", description="Writable in the sandbox.")
+    max_request_bytes: int = Field(default=256 * MiB, gt=0)
+    max_response_bytes: int = Field(default=256 * MiB, gt=0)
+    rollout_deadline_s: PositiveSeconds = 1800.0
+    environment_offline: bool = Field(
+        default=False,
+        description="The wheelhouse is a complete closure: install and resolve with no index.",
+    )
+    host_env: dict[str, str] = Field(
+        default_factory=dict, description="Extra variables for the host process (no secrets)."
+    )
+    rollout_chunk_size: int = Field(default=8, gt=0, description="Examples per request.")
+    rollout_max_in_flight: int = Field(default=8, gt=0, description="Requests at once.")
+    rollout_max_attempts: int = Field(default=3, gt=0, description="Tries per retryable chunk.")
+
+    @field_validator("host_env")
+    @classmethod
+    def _check_host_env(cls, host_env: dict[str, str]) -> dict[str, str]:
+        for name in host_env:
+            if not _VARIABLE_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an environment variable name")
+            if name in BOOTSTRAP_VARIABLES:
+                raise ValueError(
+                    f"{name} is set from this config's own fields; remove it from host_env"
+                )
+            if _CREDENTIAL_NAME.search(name):
+                raise ValueError(
+                    f"{name} looks like a credential; the sandbox's code can read its "
+                    "environment, so pass secrets through the orchestrator's secret mechanism"
+                )
+        return host_env
+
+    def bootstrap_environment(self) -> dict[str, str]:
+        """The host's launch environment: the bootstrap variables plus ``host_env``."""
+        return {
+            **self.host_env,
+            "NMP_JOB_ID": self.job_id,
+            "NMP_ENVIRONMENT_PATH": self.environment_path or "",
+            "NMP_WORK_PATH": self.work_path,
+            "NMP_MAX_REQUEST_BYTES": str(self.max_request_bytes),
+            "NMP_MAX_RESPONSE_BYTES": str(self.max_response_bytes),
+            "NMP_ROLLOUT_DEADLINE_S": repr(self.rollout_deadline_s),
+            "NMP_ENVIRONMENT_OFFLINE": "1" if self.environment_offline else "0",
+            "NMP_ENVIRONMENT_PACKAGE_REQUIRED": "1" if self.environment_path else "0",
+        }
 
 
 class ConfigError(ValueError):
@@ -147,6 +247,14 @@ def load_serve_config(
         return ServeConfig.model_validate(merged)
     except pydantic.ValidationError as exc:
         raise ConfigError(describe_validation_error(exc, sources)) from exc
+
+
+def load_caller_config(data: Any, *, source: str) -> CallerConfig:
+    """Validate a caller block (from a trainer's YAML, say); errors name ``source`` and the key."""
+    try:
+        return CallerConfig.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise ConfigError(f"{source}: {describe_validation_error(exc)}") from exc
 
 
 def describe_validation_error(

@@ -9,6 +9,7 @@ import trio
 
 from trio_gym.config import ServeConfig
 from trio_gym.errors import ErrorCode, WireError
+from trio_gym.install import InstallError, install_environment
 from trio_gym.logs import log_event
 from trio_gym.runners import Runner, load_runner
 
@@ -79,29 +80,35 @@ class Host:
     async def bootstrap(self) -> None:
         """Run the start-up stages; on failure, keep serving ``/health`` with the reason.
 
-        The runner is imported in a worker thread so that a slow import (a user's runner that
-        pulls in a large library) leaves ``/health`` answering. Never raises: a failure is
-        recorded in :attr:`phase` for the orchestrator to read.
+        Stages: ``installing`` (the environment package, :mod:`trio_gym.install`), then
+        ``starting_runner`` (importing the runner, in a worker thread so that a slow import
+        leaves ``/health`` answering). Never raises but ``Cancelled``: a failure is recorded in
+        :attr:`phase` for the orchestrator to read, and the process stays up to report it.
         """
         try:
-            await self._run_stages()
+            if self._runner is None:
+                await self._run_stages()
         finally:
             self.settled.set()
 
     async def _run_stages(self) -> None:
-        if self._runner is not None:
-            return
-        self.phase = Starting("starting_runner")
-        log_event("stage_started", stage="starting_runner", runner=self.config.runner)
         try:
+            self._enter("installing")
+            await install_environment(self.config)
+            self._enter("starting_runner")
             self._runner = await trio.to_thread.run_sync(load_runner, self.config.runner)
-        except Exception as exc:  # a user's module may raise anything while importing
-            message = f"{type(exc).__name__}: {exc}"
-            self.phase = Failed("starting_runner", message)
-            log_event("stage_failed", stage="starting_runner", error=message)
+        except Exception as exc:  # the boundary: a user's package or module may fail any way
+            assert isinstance(self.phase, Starting)
+            message = str(exc) if isinstance(exc, InstallError) else f"{type(exc).__name__}: {exc}"
+            self.phase = Failed(self.phase.stage, message)
+            log_event("stage_failed", stage=self.phase.stage, error=message)
             return
         self.phase = Ready()
         log_event("ready", runner=self.config.runner)
+
+    def _enter(self, stage: str) -> None:
+        self.phase = Starting(stage)
+        log_event("stage_started", stage=stage)
 
     def request_shutdown(self) -> None:
         """Stop accepting work; in-flight batches are answered ``shutting_down``."""
