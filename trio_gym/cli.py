@@ -70,7 +70,10 @@ def _parser() -> argparse.ArgumentParser:
     validate_cmd.add_argument("path", type=Path, help="the package directory")
 
     demo_cmd = commands.add_parser(
-        "demo", help="run a batch through an in-process host and show the results"
+        "demo",
+        help="run a batch through an in-process host and show the results",
+        description="Start a host with the example environment on a loopback port, run a batch "
+        "through the trainer client with progress on stderr, and print a summary.",
     )
     demo_cmd.add_argument("--examples", type=int, default=24, help="how many episodes (24)")
     demo_cmd.add_argument("--verbose", action="store_true", help="also print the JSON logs")

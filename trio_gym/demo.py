@@ -80,7 +80,7 @@ async def run_demo(count: int, out: TextIO = sys.stderr) -> int:
         url = f"http://127.0.0.1:{port}"
         print(
             f"trio-gym demo: host at {url} running the example calendar environment\n"
-            f"  {count} episodes in {chunks} chunks of up to {CHUNK_SIZE}, {IN_FLIGHT} in "
+            f"  {count} episodes in {chunks} chunk(s) of up to {CHUNK_SIZE}, {IN_FLIGHT} in "
             f"flight, heartbeat every {HEARTBEAT_S} s",
             file=out,
         )
@@ -119,8 +119,10 @@ def print_summary(
     print("\n  task  seed  requests  booked  skipped                    reward", file=out)
     for example, result in zip(examples, results, strict=True):
         skipped = ", ".join(result["skipped"]) or "-"
+        if len(skipped) > 25:
+            skipped = skipped[:22] + "..."
         print(
             f"  {result['_ng_task_index']:>4}  {example['seed']:>4}  {example['meetings']:>8}  "
-            f"{len(result['booked']):>6}  {skipped[:25]:<25}  {result['reward']:.2f}",
+            f"{len(result['booked']):>6}  {skipped:<25}  {result['reward']:.2f}",
             file=out,
         )

@@ -1,0 +1,40 @@
+"""The README's commands and configuration examples are the real ones (docs that cannot rot)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from trio_gym.config import load_caller_config, load_serve_config
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.DOTALL)
+
+
+def test_the_first_two_commands_set_up_and_run_the_demo_then_the_tests() -> None:
+    first, second = code_blocks("bash")[:2]
+    assert first.strip().endswith("trio-gym demo")
+    assert second.strip().endswith("python -m pytest")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert second.strip() in ci.splitlines()  # CI runs exactly the README's test command
+
+
+def test_the_serve_config_example_is_a_valid_serve_config(tmp_path: Path) -> None:
+    block = next(b for b in code_blocks("yaml") if b.startswith("# serve.yaml"))
+    file = tmp_path / "serve.yaml"
+    file.write_text(block)
+    config = load_serve_config(file=file, environ={})
+    assert config.environment_offline is True
+
+
+def test_the_caller_config_example_is_a_valid_caller_config() -> None:
+    block = next(b for b in code_blocks("yaml") if b.startswith("# caller config"))
+    caller = load_caller_config(yaml.safe_load(block), source="README")
+    assert caller.environment_offline is True
+    assert caller.bootstrap_environment()["NMP_ENVIRONMENT_OFFLINE"] == "1"
