@@ -213,6 +213,76 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a body that died after the headers is retried (runs the examples twice)",
+        "trio_gym/trainer/client.py",
+        "        origin=Origin.PROXY,\n        retryable=False,\n        status=status,\n    )",
+        "        origin=Origin.PROXY,\n        retryable=True,\n        status=status,\n    )",
+        ("tests/test_client.py::test_a_body_that_dies_after_the_headers_is_sent_exactly_once",),
+    ),
+    Mutation(
+        "a connection that never landed is not retried",
+        "trio_gym/trainer/client.py",
+        "                origin=Origin.PROXY,\n                retryable=True,\n            ) from exc\n"
+        "        version",
+        "                origin=Origin.PROXY,\n                retryable=False,\n            ) from exc\n"
+        "        version",
+        ("tests/test_client.py::test_a_connection_that_never_landed_is_retried_with_backoff",),
+    ),
+    Mutation(
+        "backoff slept while holding a concurrency slot",
+        "trio_gym/trainer/client.py",
+        "                    answers[index] = results\n"
+        "                    self.progress.chunk_finished(index, results)\n"
+        "                    return\n"
+        "            if not failure.retryable or attempt == attempts:\n"
+        "                break\n"
+        '            log_event("chunk_retrying", chunk=index, attempt=attempt, error=str(failure))\n'
+        "            await trio.sleep(self.settings.backoff_s * attempt)",
+        "                    answers[index] = results\n"
+        "                    self.progress.chunk_finished(index, results)\n"
+        "                    return\n"
+        "                if not failure.retryable or attempt == attempts:\n"
+        "                    break\n"
+        "                await trio.sleep(self.settings.backoff_s * attempt)",
+        ("tests/test_client.py::test_backoff_is_slept_outside_the_concurrency_limit",),
+    ),
+    Mutation(
+        "one more request in flight than max_in_flight",
+        "trio_gym/trainer/client.py",
+        "limiter = trio.CapacityLimiter(self.settings.max_in_flight)",
+        "limiter = trio.CapacityLimiter(self.settings.max_in_flight + 1)",
+        ("tests/test_client.py::test_peak_concurrency_is_exactly_max_in_flight",),
+    ),
+    Mutation(
+        "a flat proxy envelope read as the host's",
+        "trio_gym/trainer/client.py",
+        'if isinstance(document, dict) and {"code", "message"} <= set(document):',
+        "if False:",
+        ("tests/test_client.py::test_each_failure_is_attributed",),
+    ),
+    Mutation(
+        "a bug in the trainer disguised as a rollout failure",
+        "trio_gym/trainer/client.py",
+        "                raise group.exceptions[0] from None",
+        '                raise RolloutError("?", origin=Origin.SANDBOX, retryable=False) from None',
+        ("tests/test_client.py::test_a_bug_in_this_process_propagates_as_itself",),
+    ),
+    Mutation(
+        "the number of results is not checked",
+        "trio_gym/trainer/client.py",
+        "            if len(results) != len(examples):",
+        "            if False:",
+        ("tests/test_client.py::test_each_failure_is_attributed",),
+    ),
+    Mutation(
+        "no client-side request deadline",
+        "trio_gym/trainer/client.py",
+        "        with trio.move_on_after(self.settings.request_deadline_s):",
+        "        with trio.move_on_after(math.inf):",
+        ("tests/test_client.py::test_the_client_deadline_bounds_a_host_that_heartbeats_forever",),
+        also=(("trio_gym/trainer/client.py", "import json\n", "import json\nimport math\n"),),
+    ),
+    Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",
         "trio_gym/host/batch.py",
         "        stats.examples_cancelled += 1\n",

@@ -38,3 +38,21 @@ def test_the_caller_config_example_is_a_valid_caller_config() -> None:
     caller = load_caller_config(yaml.safe_load(block), source="README")
     assert caller.environment_offline is True
     assert caller.bootstrap_environment()["NMP_ENVIRONMENT_OFFLINE"] == "1"
+
+
+async def test_the_trainer_program_runs_against_a_live_host(tmp_path: Path) -> None:
+    import sys
+
+    import trio
+
+    from tests.helpers import CountingRunner, running_host
+
+    program = next(b for b in code_blocks("python") if "RolloutClient(" in b)
+    async with running_host(runner=CountingRunner()) as (host, port):
+        script = tmp_path / "trainer.py"
+        script.write_text(program.replace("127.0.0.1:8080", f"127.0.0.1:{port}"))
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [sys.executable, str(script)], capture_stdout=True, capture_stderr=True
+            )
+    assert done.stdout.startswith(b"mean reward ")

@@ -21,6 +21,8 @@ from trio_gym.config import ConfigError, ServeConfig, load_serve_config
 from trio_gym.demo import run_demo
 from trio_gym.host import Host, serve
 from trio_gym.install import InstallError, PackageError, install_environment, load_package
+from trio_gym.trainer import ClientSettings
+from trio_gym.trainer.batch_file import run_file
 
 # serve's flags and the config fields they set (DESIGN §7).
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -69,6 +71,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     validate_cmd.add_argument("path", type=Path, help="the package directory")
 
+    run_cmd = commands.add_parser(
+        "run",
+        help="send a JSON-lines file of examples to a host",
+        description="Send the examples (one JSON object per line) to a host with the trainer "
+        "client; progress on stderr; the results as JSON lines, in input order. A failure "
+        "exits 1 naming its cause (sandbox, proxy or client).",
+    )
+    run_cmd.add_argument("examples", type=Path, metavar="FILE.jsonl")
+    run_cmd.add_argument("--url", required=True, help="the host, e.g. http://127.0.0.1:8080")
+    run_cmd.add_argument("--out", type=Path, help="write results here (default: stdout)")
+    run_cmd.add_argument("--chunk-size", type=int, default=8, help="examples per request (8)")
+    run_cmd.add_argument("--max-in-flight", type=int, default=8, help="requests at once (8)")
+    run_cmd.add_argument("--max-attempts", type=int, default=3, help="tries per chunk (3)")
+    run_cmd.add_argument("--deadline", type=float, help="deadline_s sent with each request")
+    run_cmd.add_argument(
+        "--http10", action="store_true", help="speak HTTP/1.0 (buffered answers, no heartbeats)"
+    )
+
     demo_cmd = commands.add_parser(
         "demo",
         help="run a batch through an in-process host and show the results",
@@ -104,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _install(args)
     if args.command == "validate":
         return _validate(args)
+    if args.command == "run":
+        return _run(args)
     return _demo(args)
 
 
@@ -169,6 +191,22 @@ async def _stop_on_signals(host: Host, scope: trio.CancelScope) -> None:
                 scope.cancel()
                 return
             host.request_shutdown()
+
+
+def _run(args: argparse.Namespace) -> int:
+    logs.configure(level=logging.WARNING)
+    try:
+        settings = ClientSettings(
+            chunk_size=args.chunk_size,
+            max_in_flight=args.max_in_flight,
+            max_attempts=args.max_attempts,
+            host_deadline_s=args.deadline,
+            http_version="1.0" if args.http10 else "1.1",
+        )
+    except ValueError as exc:
+        print(f"trio-gym run: {exc}", file=sys.stderr)
+        return 2
+    return trio.run(run_file, args.examples, args.url, args.out, settings)
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
 Connection handling, framing, limits and graceful close; nothing here knows what a route means.
 """
 
-from trio_gym.http.client import Endpoint, connect, read_response_head, send_request
+from trio_gym.http.client import Endpoint, read_response_head, send_request
 from trio_gym.http.connection import ConnectionLost, HttpConnection
 from trio_gym.http.limits import HttpLimits
 from trio_gym.http.messages import (
@@ -23,7 +23,6 @@ __all__ = [
     "Endpoint",
     "HttpConnection",
     "HttpLimits",
-    "connect",
     "declared_length",
     "encode_json",
     "read_body",

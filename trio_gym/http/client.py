@@ -1,4 +1,4 @@
-"""The client half: open a connection, send a request, read the response head.
+"""The client half: where a URL points, sending a request, reading the response head.
 
 Bodies are read with :func:`trio_gym.http.messages.read_body`, the same reader the host uses,
 so there is one parser for both directions.
@@ -11,10 +11,8 @@ from collections.abc import Sequence
 
 import attrs
 import h11
-import trio
 
 from trio_gym.http.connection import HttpConnection
-from trio_gym.http.limits import HttpLimits
 
 
 @attrs.frozen
@@ -42,12 +40,6 @@ class Endpoint:
 
     def target(self, path: str) -> str:
         return f"{self.base_path}{path}"
-
-
-async def connect(endpoint: Endpoint, limits: HttpLimits) -> HttpConnection:
-    """Open a TCP connection; raises ``OSError`` when it cannot be made."""
-    stream = await trio.open_tcp_stream(endpoint.host, endpoint.port)
-    return HttpConnection(stream, h11.CLIENT, limits)
 
 
 async def send_request(
@@ -88,7 +80,12 @@ async def read_response_head(conn: HttpConnection) -> h11.Response:
     ``EOFError`` if the peer closed before answering.
     """
     while True:
-        event = await conn.next_event()
+        try:
+            event = await conn.next_event()
+        except h11.RemoteProtocolError:
+            if conn.eof_received:  # h11's words for it are about its own states
+                raise EOFError("the peer closed the connection without answering") from None
+            raise
         if isinstance(event, h11.Response):
             return event
         if isinstance(event, h11.ConnectionClosed):

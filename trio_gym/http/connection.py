@@ -30,16 +30,27 @@ class HttpConnection:
     """An HTTP/1.x exchange over ``stream``, as ``role`` (``h11.CLIENT`` or ``h11.SERVER``).
 
     Writes go through :meth:`send`, reads through :meth:`next_event`. One task may read while
-    another writes; concurrent writers are serialised.
+    another writes; concurrent writers are serialised. A client may send its request as
+    ``request_version=b"1.0"``.
     """
 
-    def __init__(self, stream: trio.abc.Stream, role: Role, limits: HttpLimits) -> None:
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        role: Role,
+        limits: HttpLimits,
+        *,
+        request_version: bytes = b"1.1",
+    ) -> None:
         self.limits = limits
+        self._request_version = request_version
         self._stream = stream
         self._h11 = h11.Connection(role, max_incomplete_event_size=limits.max_head_bytes)
         self._send_lock = trio.StrictFIFOLock()
         self._head_bytes = 0
         self._lost = False
+        self.eof_received = False
+        """True once the peer shut down its sending side (a half-close or a full close)."""
         self.request_method: bytes | None = None
 
     @property
@@ -84,7 +95,7 @@ class HttpConnection:
         async with self._send_lock:
             if self._lost:
                 raise ConnectionLost("an earlier write to this peer failed")
-            data = b"".join(self._h11.send(event) or b"" for event in events)
+            data = b"".join(self._bytes_of(event) for event in events)
             with trio.move_on_after(self.limits.send_timeout_s, shield=True) as scope:
                 try:
                     await self._stream.send_all(data)
@@ -96,6 +107,14 @@ class HttpConnection:
                 raise ConnectionLost(
                     f"the peer did not read for {self.limits.send_timeout_s:g} s (send_timeout_s)"
                 )
+
+    def _bytes_of(self, event: h11.Event) -> bytes:
+        data = self._h11.send(event) or b""
+        if isinstance(event, h11.Request) and self._request_version == b"1.0":
+            # h11 writes only HTTP/1.1 request lines; everything else it writes for a request
+            # (Host, Content-Length, Connection: close) is valid HTTP/1.0, so one line changes.
+            data = data.replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1)
+        return data
 
     async def next_event(self) -> h11.Event:
         """The peer's next event: a head, a piece of body, its end, or ``ConnectionClosed``.
@@ -141,6 +160,8 @@ class HttpConnection:
             raise ConnectionLost(f"the peer reset the connection ({exc.__cause__ or exc})") from exc
         if in_head:
             self._head_bytes += len(data)
+        if not data:
+            self.eof_received = True
         return bytes(data)  # no copy when it already is bytes, as from a socket
 
     async def wait_until_peer_stops_sending(self) -> None:

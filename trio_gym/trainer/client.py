@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Final, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Final, Literal, Protocol
 
 import attrs
 import h11
@@ -37,8 +37,8 @@ from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import (
     ConnectionLost,
     Endpoint,
+    HttpConnection,
     HttpLimits,
-    connect,
     encode_json,
     read_body,
     read_response_head,
@@ -133,13 +133,33 @@ class ClientSettings:
     proxy that keeps a request open forever."""
     host_deadline_s: float | None = None
     """Sent as the request's ``deadline_s`` when set."""
+    max_request_bytes: int = 256 * 1024 * 1024
+    """The host's limit (``NMP_MAX_REQUEST_BYTES``): a bigger chunk is refused before sending."""
     max_response_bytes: int = 256 * 1024 * 1024
     idle_timeout_s: float = 120.0
     """The longest gap between bytes of a response; heartbeats (15 s) keep a healthy one busy."""
+    http_version: Literal["1.1", "1.0"] = "1.1"
+    """``1.0`` asks for the host's buffered answer (no heartbeats), for 1.0-only proxies."""
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("chunk_size", "max_in_flight", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+
+
+StreamOpener = Callable[[Endpoint], Awaitable[trio.abc.Stream]]
+
+
+async def open_tcp(endpoint: Endpoint) -> trio.abc.Stream:
+    return await trio.open_tcp_stream(endpoint.host, endpoint.port)
 
 
 class RolloutClient:
-    """Runs batches against one host. Async, trio-only; safe to share between tasks."""
+    """Runs batches against one host. Async, trio-only; one client may serve many tasks.
+
+    ``opener`` makes the connection (default: TCP to the URL's host and port); tests pass one
+    that returns in-memory streams to an in-process host, so time can be virtual.
+    """
 
     def __init__(
         self,
@@ -148,17 +168,20 @@ class RolloutClient:
         *,
         progress: Progress | None = None,
         limits: HttpLimits | None = None,
+        opener: StreamOpener = open_tcp,
     ) -> None:
         self.endpoint = Endpoint.parse(url)
         self.settings = settings or ClientSettings()
         self.progress: Progress = progress or SilentProgress()
         self.limits = limits or HttpLimits()
+        self._open = opener
 
     async def run(self, examples: Sequence[Mapping[str, Any]]) -> list[Any]:
         """Run ``examples``; return one result per example, in input order.
 
         Raises ``ValueError`` for an empty batch and :class:`RolloutError` if any chunk failed
-        (the message counts the failed chunks and carries the first failure's cause).
+        (the message counts the failed chunks and carries the first failure's cause). Any other
+        exception is a bug in this process and propagates as itself.
         """
         if not examples:
             raise ValueError("an empty batch has nothing to run; pass at least one example")
@@ -166,9 +189,15 @@ class RolloutClient:
         chunks = [examples[i : i + size] for i in range(0, len(examples), size)]
         answers: list[list[Any] | RolloutError] = [[] for _ in chunks]
         limiter = trio.CapacityLimiter(self.settings.max_in_flight)
-        async with trio.open_nursery() as nursery:
-            for index, chunk in enumerate(chunks):
-                nursery.start_soon(self._run_chunk, index, chunk, limiter, answers)
+        try:
+            async with trio.open_nursery() as nursery:
+                for index, chunk in enumerate(chunks):
+                    nursery.start_soon(self._run_chunk, index, chunk, limiter, answers)
+        except ExceptionGroup as group:
+            # A bug in one chunk task cancels the rest; surface it as itself, not wrapped.
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
         results: list[Any] = []
         failures: list[RolloutError] = []
         for answer in answers:
@@ -207,7 +236,7 @@ class RolloutClient:
             log_event("chunk_retrying", chunk=index, attempt=attempt, error=str(failure))
             await trio.sleep(self.settings.backoff_s * attempt)
         final = RolloutError(
-            f"chunk {index} failed after {attempt} attempt(s): {failure.message}",
+            f"chunk {index + 1} failed after {attempt} attempt(s): {failure.message}",
             origin=failure.origin,
             retryable=failure.retryable,
             status=failure.status,
@@ -222,72 +251,36 @@ class RolloutClient:
         *,
         on_heartbeat: Callable[[], None] | None = None,
     ) -> list[Any]:
-        """One ``POST /rollouts/run`` for ``examples``, without retries."""
+        """One ``POST /rollouts/run`` for ``examples``, without retries; the results in order.
+
+        Raises :class:`RolloutError` classified as in the module docstring.
+        """
         document: dict[str, Any] = {"examples": list(examples)}
         if self.settings.host_deadline_s is not None:
             document["deadline_s"] = self.settings.host_deadline_s
         payload = encode_json(document)
+        if len(payload) > self.settings.max_request_bytes:
+            raise RolloutError(
+                f"the request for {len(examples)} examples is {len(payload)} bytes, over the "
+                f"host's limit of {self.settings.max_request_bytes}; lower the chunk size",
+                origin=Origin.CLIENT,
+                retryable=False,
+            )
+        exchange = _Exchange(on_heartbeat)
         started = trio.current_time()
-        heard_head = False
-        heartbeats = 0
-
-        def on_data(data: bytes) -> None:
-            nonlocal heartbeats
-            if not data.strip():
-                heartbeats += 1
-                if on_heartbeat is not None:
-                    on_heartbeat()
-
-        with trio.move_on_after(self.settings.request_deadline_s) as deadline:
-            try:
-                conn = await connect(self.endpoint, self.limits)
-            except OSError as exc:
+        with trio.move_on_after(self.settings.request_deadline_s):
+            status, body = await self._exchange(payload, exchange)
+            results = decode_response(status, body, elapsed_s=trio.current_time() - started)
+            if len(results) != len(examples):
                 raise RolloutError(
-                    f"could not connect to {self.endpoint.authority}: {exc}",
-                    origin=Origin.PROXY,
-                    retryable=True,
-                ) from exc
-            try:
-                try:
-                    await send_request(
-                        conn,
-                        self.endpoint,
-                        "POST",
-                        "/rollouts/run",
-                        payload,
-                        headers=[("content-type", "application/json")],
-                    )
-                    head = await read_response_head(conn)
-                except (ConnectionLost, EOFError, h11.RemoteProtocolError) as exc:
-                    raise RolloutError(
-                        f"no response from {self.endpoint.authority}: {exc}",
-                        origin=Origin.PROXY,
-                        retryable=True,
-                    ) from exc
-                heard_head = True
-                try:
-                    body = await read_body(
-                        conn,
-                        head,
-                        max_bytes=self.settings.max_response_bytes,
-                        idle_timeout_s=self.settings.idle_timeout_s,
-                        on_data=on_data,
-                    )
-                except (ConnectionLost, WireError) as exc:
-                    raise RolloutError(
-                        f"the response body died after the headers arrived (HTTP "
-                        f"{head.status_code}, {heartbeats} heartbeat(s) in): {exc}; not retried, "
-                        "because the host had already started these examples",
-                        origin=Origin.PROXY,
-                        retryable=False,
-                        status=head.status_code,
-                    ) from exc
-            finally:
-                await conn.aclose()
-            return decode_response(head.status_code, body, elapsed_s=trio.current_time() - started)
-        assert deadline.cancelled_caught
+                    f"the host returned {len(results)} results for {len(examples)} examples",
+                    origin=Origin.SANDBOX,
+                    retryable=False,
+                    status=status,
+                )
+            return results
         waited = self.settings.request_deadline_s
-        if not heard_head:
+        if exchange.status is None:
             raise RolloutError(
                 f"no response headers from {self.endpoint.authority} within {waited:g} s",
                 origin=Origin.PROXY,
@@ -295,11 +288,91 @@ class RolloutClient:
             )
         raise RolloutError(
             f"no complete answer within {waited:g} s (request_deadline_s) although the host "
-            f"kept sending ({heartbeats} heartbeat(s)); its own deadline should have ended the "
-            "batch first: check its NMP_ROLLOUT_DEADLINE_S",
+            f"kept sending ({exchange.heartbeats} heartbeat(s)); its own deadline should have "
+            "ended the batch first: check its NMP_ROLLOUT_DEADLINE_S",
             origin=Origin.SANDBOX,
             retryable=False,
+            status=exchange.status,
         )
+
+    async def _exchange(self, payload: bytes, exchange: _Exchange) -> tuple[int, bytes]:
+        """Send the request and read the whole response; classify transport failures."""
+        try:
+            stream = await self._open(self.endpoint)
+        except OSError as exc:
+            raise RolloutError(
+                f"could not connect to {self.endpoint.authority}: {exc}",
+                origin=Origin.PROXY,
+                retryable=True,
+            ) from exc
+        version = self.settings.http_version.encode()
+        conn = HttpConnection(stream, h11.CLIENT, self.limits, request_version=version)
+        try:
+            try:
+                await send_request(
+                    conn,
+                    self.endpoint,
+                    "POST",
+                    "/rollouts/run",
+                    payload,
+                    headers=[("content-type", "application/json")],
+                )
+                head = await read_response_head(conn)
+            except (ConnectionLost, EOFError, h11.RemoteProtocolError) as exc:
+                raise RolloutError(
+                    f"no response from {self.endpoint.authority}: {exc}",
+                    origin=Origin.PROXY,
+                    retryable=True,
+                ) from exc
+            exchange.status = head.status_code
+            try:
+                body = await read_body(
+                    conn,
+                    head,
+                    max_bytes=self.settings.max_response_bytes,
+                    idle_timeout_s=self.settings.idle_timeout_s,
+                    on_data=exchange.on_data,
+                )
+            except WireError as exc:
+                if exc.code is ErrorCode.PAYLOAD_TOO_LARGE:
+                    raise RolloutError(
+                        f"the response is over this client's max_response_bytes: {exc.message}",
+                        origin=Origin.CLIENT,
+                        retryable=False,
+                        status=head.status_code,
+                    ) from exc
+                raise _died(head.status_code, exchange, exc) from exc
+            except ConnectionLost as exc:
+                raise _died(head.status_code, exchange, exc) from exc
+            return head.status_code, body
+        finally:
+            await conn.aclose()
+
+
+class _Exchange:
+    """What one request has seen so far: the status (once headers arrived), heartbeats."""
+
+    def __init__(self, on_heartbeat: Callable[[], None] | None) -> None:
+        self.status: int | None = None
+        self.heartbeats = 0
+        self._on_heartbeat = on_heartbeat
+
+    def on_data(self, data: bytes) -> None:
+        if not data.strip():
+            self.heartbeats += 1
+            if self._on_heartbeat is not None:
+                self._on_heartbeat()
+
+
+def _died(status: int, exchange: _Exchange, cause: Exception) -> RolloutError:
+    return RolloutError(
+        f"the response body died after the headers arrived (HTTP {status}, "
+        f"{exchange.heartbeats} heartbeat(s) in): {cause}; not retried, because the host had "
+        "already started these examples and a second copy would run them twice",
+        origin=Origin.PROXY,
+        retryable=False,
+        status=status,
+    )
 
 
 def _quote(body: bytes) -> str:

@@ -1,0 +1,367 @@
+"""The trainer-side RolloutClient: round trips against the real host, every classification
+rule, every retry rule, concurrency and partition, on virtual clocks where time matters."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from tests.canned import CannedHost, chunked_response, hang_up, json_response, respond
+from tests.framing_proxy import FramingProxy
+from tests.helpers import CountingRunner, running_host
+from tests.test_cli import LogReader
+from trio_gym.config import ServeConfig
+from trio_gym.host import Host, handle_connection
+from trio_gym.trainer import ClientSettings, Origin, RolloutClient, RolloutError
+
+URL = "http://sandbox.invalid:8080"
+HANG_GUARD_S = 60
+
+
+def in_memory(nursery: trio.Nursery, host: Host) -> Any:
+    """An opener that connects the client to ``host`` over memory streams (virtual time)."""
+
+    async def open_stream(endpoint: Any) -> trio.abc.Stream:
+        client, server = trio.testing.memory_stream_pair()
+        nursery.start_soon(handle_connection, host, server)
+        return client
+
+    return open_stream
+
+
+class RecordingProgress:
+    def __init__(self) -> None:
+        self.started: list[tuple[int, int, float]] = []
+        self.heartbeats = 0
+        self.finished: list[int] = []
+        self.failed: list[int] = []
+
+    def chunk_started(self, chunk: int, attempt: int, size: int) -> None:
+        self.started.append((chunk, attempt, trio.current_time()))
+
+    def heartbeat(self, chunk: int) -> None:
+        self.heartbeats += 1
+
+    def chunk_finished(self, chunk: int, results: Sequence[Any]) -> None:
+        self.finished.append(chunk)
+
+    def chunk_failed(self, chunk: int, error: RolloutError) -> None:
+        self.failed.append(chunk)
+
+
+def episodes(count: int, *, think_s: float = 0.0, meetings: int = 3) -> list[dict[str, Any]]:
+    return [
+        {"seed": i, "meetings": meetings, "think_s": think_s, "_ng_task_index": i}
+        for i in range(count)
+    ]
+
+
+# --- round trips against the real host ----------------------------------------------------
+
+
+async def test_a_long_batch_with_heartbeats_round_trips(autojump_clock: trio.abc.Clock) -> None:
+    host = Host(ServeConfig(port=0, rollout_deadline_s=7200), runner=CountingRunner())
+    progress = RecordingProgress()
+    async with trio.open_nursery() as nursery:
+        client = RolloutClient(
+            URL, ClientSettings(chunk_size=3), progress=progress, opener=in_memory(nursery, host)
+        )
+        start = trio.current_time()
+        results = await client.run(episodes(7, think_s=600))  # 3 steps x 600 s = 30 minutes
+    assert trio.current_time() - start == 1800
+    assert [r["_ng_task_index"] for r in results] == list(range(7))
+    assert progress.heartbeats >= 3 * 119  # three chunks, a heartbeat every 15 s each
+
+
+async def test_http_10_mode_round_trips() -> None:
+    async with running_host(runner=CountingRunner(), heartbeat_interval_s=0.05) as (host, port):
+        progress = RecordingProgress()
+        client = RolloutClient(
+            f"http://127.0.0.1:{port}",
+            ClientSettings(chunk_size=2, http_version="1.0"),
+            progress=progress,
+        )
+        results = await client.run(episodes(3, think_s=0.1))
+    assert [r["seed"] for r in results] == [0, 1, 2]
+    assert progress.heartbeats == 0  # a 1.0 answer is buffered: nothing before the document
+
+
+async def test_a_host_started_with_trio_gym_serve_round_trips() -> None:
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "trio_gym", "serve", "--port", "0", "--heartbeat-interval", "0.1"],
+        stderr=subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    logs = LogReader(process.stderr)
+    try:
+        with trio.fail_after(HANG_GUARD_S):
+            port = (await logs.wait_for("listening"))["port"]
+            await logs.wait_for("ready")
+            progress = RecordingProgress()
+            client = RolloutClient(
+                f"http://127.0.0.1:{port}", ClientSettings(chunk_size=4), progress=progress
+            )
+            results = await client.run(episodes(10, think_s=0.1))
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert [r["seed"] for r in results] == list(range(10))
+    assert progress.heartbeats > 0
+
+
+async def test_a_host_deadline_arrives_as_a_sandbox_failure_and_is_not_retried(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    host = Host(ServeConfig(port=0, rollout_deadline_s=60), runner=runner)
+    async with trio.open_nursery() as nursery:
+        client = RolloutClient(URL, opener=in_memory(nursery, host))
+        with pytest.raises(RolloutError) as failure:
+            await client.run(episodes(2, think_s=100))
+    assert failure.value.origin is Origin.SANDBOX
+    assert failure.value.code == "deadline_exceeded" and not failure.value.retryable
+    assert len(runner.started) == 2  # sent once: never re-run
+
+
+async def test_the_full_batch_arrives_through_the_framing_proxy() -> None:
+    async with running_host(runner=CountingRunner(), heartbeat_interval_s=0.05) as (host, port):
+        proxy = FramingProxy(port)
+        async with trio.open_nursery() as nursery:
+            proxy_port = await nursery.start(proxy.serve)
+            client = RolloutClient(f"http://127.0.0.1:{proxy_port}", ClientSettings(chunk_size=3))
+            results = await client.run(episodes(7, think_s=0.1))
+            nursery.cancel_scope.cancel()
+    assert [r["seed"] for r in results] == list(range(7))
+    assert proxy.framings == ["chunked"] * 3
+
+
+# --- classification -----------------------------------------------------------------------
+
+HEARTBEATS_THEN_ERROR = chunked_response(
+    b" ", b" ", json.dumps({"error": {"code": "internal", "message": "example 0 failed"}}).encode()
+)
+NESTED_500 = json_response(500, b'{"error": {"code": "internal", "message": "boom"}}')
+HOST_413 = json_response(413, b'{"error": {"code": "payload_too_large", "message": "too big"}}')
+FLAT_PROXY = json_response(429, b'{"code": "rate_limited", "message": "slow down"}')
+HTML_502 = (
+    b"HTTP/1.1 502 Bad Gateway\r\ncontent-type: text/html\r\ncontent-length: 30\r\n\r\n"
+    b"<html><h1>502 Bad Gateway</h1>"
+)
+
+
+@pytest.mark.parametrize(
+    ("raw", "origin", "retryable", "fragment"),
+    [
+        (NESTED_500, Origin.SANDBOX, False, "refused the request with HTTP 500 internal: boom"),
+        (HEARTBEATS_THEN_ERROR, Origin.SANDBOX, False, "failed the batch: internal"),
+        (chunked_response(b" ", b" ", b" "), Origin.SANDBOX, False, "only heartbeat whitespace"),
+        (json_response(200, b"\xff\xfe{}"), Origin.SANDBOX, False, "not UTF-8 JSON"),
+        (json_response(200, b"<html>"), Origin.SANDBOX, False, "'<html>'"),
+        (json_response(200, b'{"rows": []}'), Origin.SANDBOX, False, "unexpected shape"),
+        (json_response(200, b'{"results": 3}'), Origin.SANDBOX, False, "unexpected shape"),
+        (json_response(200, b'{"results": [1, 2]}'), Origin.SANDBOX, False, "2 results for 1"),
+        (FLAT_PROXY, Origin.PROXY, False, "a proxy answered HTTP 429 rate_limited"),
+        (HTML_502, Origin.PROXY, True, "<h1>502 Bad Gateway"),
+        (HOST_413, Origin.CLIENT, False, "payload_too_large"),
+    ],
+    ids=[
+        "nested-envelope",
+        "200-with-error-document",
+        "heartbeat-only",
+        "not-utf8",
+        "not-json",
+        "wrong-shape",
+        "results-not-a-list",
+        "result-count",
+        "flat-proxy-envelope",
+        "html-502",
+        "host-413",
+    ],
+)
+async def test_each_failure_is_attributed(
+    raw: bytes, origin: Origin, retryable: bool, fragment: str
+) -> None:
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [respond(raw)])
+        client = RolloutClient(URL, ClientSettings(backoff_s=0), opener=canned.open)
+        with pytest.raises(RolloutError) as failure:
+            await client.run([{"seed": 1}])
+    error = failure.value
+    assert (error.origin, error.retryable) == (origin, False)  # the batch-level verdict
+    assert fragment in error.message
+    assert len(canned.requests) == (3 if retryable else 1)  # retried only the retryable
+    assert f"after {len(canned.requests)} attempt(s)" in error.message
+
+
+async def test_no_response_headers_is_proxy_and_retried() -> None:
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [hang_up])
+        client = RolloutClient(URL, ClientSettings(backoff_s=0, max_attempts=4), opener=canned.open)
+        with pytest.raises(RolloutError) as failure:
+            await client.run([{"seed": 1}])
+    assert failure.value.origin is Origin.PROXY
+    assert "without answering" in failure.value.message
+    assert len(canned.requests) == 4
+
+
+async def test_a_body_that_dies_after_the_headers_is_sent_exactly_once() -> None:
+    died = chunked_response(b" ", b" ", b'{"results": [', end=False)
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [respond(died)])
+        client = RolloutClient(URL, ClientSettings(backoff_s=0), opener=canned.open)
+        with pytest.raises(RolloutError) as failure:
+            await client.run([{"seed": 1}])
+    assert failure.value.origin is Origin.PROXY and not failure.value.retryable
+    assert "died after the headers arrived" in failure.value.message
+    assert "2 heartbeat(s)" in failure.value.message
+    assert len(canned.requests) == 1
+
+
+async def test_a_connection_that_never_landed_is_retried_with_backoff(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    good = json_response(200, b'{"results": [{"ok": true}]}')
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [CannedHost.REFUSE, CannedHost.REFUSE, respond(good)])
+        client = RolloutClient(URL, ClientSettings(backoff_s=2), opener=canned.open)
+        start = trio.current_time()
+        results = await client.run([{"seed": 1}])
+    assert results == [{"ok": True}]
+    assert [at - start for at in canned.opened_at] == [0, 2, 6]  # waits of 1x and 2x backoff
+    assert len(canned.requests) == 1  # the two that never landed sent nothing
+
+
+async def test_backoff_is_slept_outside_the_concurrency_limit(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    good = json_response(200, b'{"results": [{"ok": true}]}')
+    progress = RecordingProgress()
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [CannedHost.REFUSE, respond(good)])
+        settings = ClientSettings(chunk_size=1, max_in_flight=1, backoff_s=10)
+        client = RolloutClient(URL, settings, progress=progress, opener=canned.open)
+        await client.run([{"seed": 1}, {"seed": 2}])
+    # The first chunk's refusal frees the only slot while it waits out its backoff, so the
+    # second chunk goes at once instead of 10 s later.
+    (first, _, t0), (second, _, t1), (retried, attempt, t2) = progress.started
+    assert {first, second} == {0, 1} and retried == first and attempt == 2
+    assert (t1 - t0, t2 - t0) == (0, 10)
+
+
+async def test_a_request_over_the_hosts_limit_is_a_client_failure_never_sent() -> None:
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [respond(json_response(200, b"{}"))])
+        client = RolloutClient(URL, ClientSettings(max_request_bytes=100), opener=canned.open)
+        with pytest.raises(RolloutError) as failure:
+            await client.run([{"prompt": "x" * 200}])
+    assert failure.value.origin is Origin.CLIENT and not failure.value.retryable
+    assert canned.connections == 0
+
+
+async def test_a_bug_in_this_process_propagates_as_itself() -> None:
+    class BrokenProgress(RecordingProgress):
+        def chunk_finished(self, chunk: int, results: Sequence[Any]) -> None:
+            raise AttributeError("a bug in the trainer's progress display")
+
+    good = json_response(200, b'{"results": [{"ok": true}]}')
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [respond(good)])
+        client = RolloutClient(URL, progress=BrokenProgress(), opener=canned.open)
+        with pytest.raises(AttributeError, match="progress display"):
+            await client.run([{"seed": 1}])
+
+
+async def test_the_client_deadline_bounds_a_host_that_heartbeats_forever(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    host = Host(ServeConfig(port=0, rollout_deadline_s=10**6), runner=runner)
+    async with trio.open_nursery() as nursery:
+        client = RolloutClient(
+            URL, ClientSettings(request_deadline_s=100), opener=in_memory(nursery, host)
+        )
+        start = trio.current_time()
+        with pytest.raises(RolloutError) as failure:
+            await client.run(episodes(1, think_s=3600, meetings=12))
+        assert trio.current_time() - start == 100
+    assert failure.value.origin is Origin.SANDBOX and not failure.value.retryable
+    assert "6 heartbeat(s)" in failure.value.message  # at 15, 30, ... 90 s
+    assert len(runner.started) == 1
+    assert len(runner.cancelled) == 1  # the client hung up and the host cancelled the example
+
+
+async def test_every_chunk_failing_points_at_the_host_and_partial_failure_counts() -> None:
+    nested = respond(NESTED_500)
+    good = respond(json_response(200, b'{"results": [{"ok": true}]}'))
+    async with trio.open_nursery() as nursery:
+        all_bad = CannedHost(nursery, [nested])
+        client = RolloutClient(URL, ClientSettings(chunk_size=1), opener=all_bad.open)
+        with pytest.raises(RolloutError, match="every chunk failed, so the host itself"):
+            await client.run([{"a": 1}, {"a": 2}])
+        one_bad = CannedHost(nursery, [nested, good])
+        client = RolloutClient(
+            URL, ClientSettings(chunk_size=1, max_in_flight=1), opener=one_bad.open
+        )
+        with pytest.raises(RolloutError, match=r"1 of 2 rollout chunk\(s\) failed") as failure:
+            await client.run([{"a": 1}, {"a": 2}])
+    assert "likelier" not in failure.value.message
+
+
+# --- partition and concurrency ------------------------------------------------------------
+
+
+async def test_every_example_is_sent_exactly_once_in_chunks(autojump_clock: trio.abc.Clock) -> None:
+    runner = CountingRunner()
+    host = Host(ServeConfig(port=0), runner=runner)
+    examples = episodes(25, think_s=1)
+    async with trio.open_nursery() as nursery:
+        client = RolloutClient(URL, ClientSettings(chunk_size=4), opener=in_memory(nursery, host))
+        results = await client.run(examples)
+    assert [r["seed"] for r in results] == list(range(25))
+    assert sorted(r["seed"] for r in results) == list(range(25))
+    assert len(runner.started) == 25  # no example ran twice, none was skipped
+    assert sorted(index for index, _ in runner.started).count(0) == 7  # 7 chunks: 6x4 + 1
+
+
+async def test_peak_concurrency_is_exactly_max_in_flight(autojump_clock: trio.abc.Clock) -> None:
+    runner = CountingRunner()
+    host = Host(ServeConfig(port=0), runner=runner)
+    async with trio.open_nursery() as nursery:
+        settings = ClientSettings(chunk_size=2, max_in_flight=3)
+        client = RolloutClient(URL, settings, opener=in_memory(nursery, host))
+        await client.run(episodes(20, think_s=5))
+    assert runner.peak == 3 * 2  # three chunks of two at once: never more, and reached
+
+
+async def test_an_empty_batch_is_refused() -> None:
+    with pytest.raises(ValueError, match="empty batch"):
+        await RolloutClient(URL).run([])
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="max_in_flight"):
+        ClientSettings(max_in_flight=0)
+
+
+def test_rollout_errors_survive_pickling() -> None:
+    error = RolloutError("boom", origin=Origin.PROXY, retryable=True, status=502, code="x")
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.message, copy.origin, copy.retryable, copy.status, copy.code) == (
+        "boom",
+        Origin.PROXY,
+        True,
+        502,
+        "x",
+    )
