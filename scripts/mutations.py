@@ -283,11 +283,103 @@ MUTATIONS = [
         also=(("trio_gym/trainer/client.py", "import json\n", "import json\nimport math\n"),),
     ),
     Mutation(
-        "examples not counted as cancelled (the counting that proves cancellation)",
-        "trio_gym/host/batch.py",
-        "        stats.examples_cancelled += 1\n",
+        "the client uploads first and reads after (an early 413 dies with the upload)",
+        "trio_gym/trainer/client.py",
+        "                upload_failed = exc  # the answer may still be readable; the head decides",
+        "                raise",
+        (
+            "tests/test_client.py::test_a_413_decided_while_the_client_still_uploads_is_read_as_a_client_failure",
+        ),
+        also=(("trio_gym/trainer/client.py", "nursery.start_soon(upload)", "await upload()"),),
+    ),
+    Mutation(
+        "no minimum body rate (a trickled body holds a slot for hours)",
+        "trio_gym/host/rollouts.py",
+        "        min_rate=host.limits.min_body_rate,\n",
         "",
-        ("tests/test_host_clock.py::test_deadline_cancels_every_running_example",),
+        ("tests/test_host_clock.py::test_a_trickled_body_gets_408_once_it_falls_below_the_minimum_rate",),
+    ),
+    Mutation(
+        "readiness checked only after reading the body",
+        "trio_gym/host/rollouts.py",
+        "    host.check_accepting()\n    body = await read_body(",
+        "    body = await read_body(",
+        ("tests/test_host_clock.py::test_the_host_is_checked_ready_before_the_body_is_read",),
+    ),
+    Mutation(
+        "readiness not checked again once the body has arrived",
+        "trio_gym/host/rollouts.py",
+        "    host.check_accepting()  # the body may have taken a while; the host may be stopping now",
+        "    pass",
+        ("tests/test_host_clock.py::test_a_shutdown_while_the_body_arrives_refuses_the_batch",),
+    ),
+    Mutation(
+        "100 Continue sent before the declared length is checked",
+        "trio_gym/http/messages.py",
+        "    if declared is not None and declared > max_bytes:\n"
+        '        raise _too_large(f"declares {declared} bytes", max_bytes, advice)\n'
+        "    if conn.peer_waits_for_100_continue:\n"
+        "        await conn.send(h11.InformationalResponse(status_code=100, headers=[]))",
+        "    if conn.peer_waits_for_100_continue:\n"
+        "        await conn.send(h11.InformationalResponse(status_code=100, headers=[]))\n"
+        "    if declared is not None and declared > max_bytes:\n"
+        '        raise _too_large(f"declares {declared} bytes", max_bytes, advice)',
+        ("tests/test_host_wire.py::test_expect_100_continue_over_the_limit_gets_413_without_the_body",),
+    ),
+    Mutation(
+        "a request with both Content-Length and Transfer-Encoding accepted",
+        "trio_gym/http/messages.py",
+        'if b"content-length" in names and b"transfer-encoding" in names:',
+        "if False:",
+        ("tests/test_host_wire.py::test_bytes_that_are_not_our_http_are_refused_clearly",),
+    ),
+    Mutation(
+        "a body written as one write (send_timeout_s then bounds the whole body)",
+        "trio_gym/http/messages.py",
+        "    if len(body) <= BODY_PIECE_BYTES:",
+        "    if True:",
+        ("tests/test_http_mechanics.py::test_send_timeout_bounds_a_stall_not_a_slow_steady_reader",),
+    ),
+    Mutation(
+        "the connection slot released after an await (leaks when cancelled)",
+        "trio_gym/host/server.py",
+        "        host.release_connection(admission)  # before any await: a cancelled close must not leak it\n"
+        "        await conn.aclose()",
+        "        await conn.aclose()\n        host.release_connection(admission)",
+        ("tests/test_host_clock.py::test_a_cancelled_connection_gives_back_its_slot",),
+    ),
+    Mutation(
+        "no overflow: every over-cap connection is dropped without an answer",
+        "trio_gym/host/state.py",
+        "        for slots in (self.connection_slots, self.overflow_slots):",
+        "        for slots in (self.connection_slots,):",
+        (
+            "tests/test_host_clock.py::test_beyond_the_cap_a_bounded_overflow_hears_503_and_the_rest_are_closed",
+        ),
+    ),
+    Mutation(
+        "shutdown waits for a hung runner import",
+        "trio_gym/host/state.py",
+        "load_runner, self.config.runner, abandon_on_cancel=True",
+        "load_runner, self.config.runner, abandon_on_cancel=False",
+        ("tests/test_cli.py::test_a_signal_during_a_hung_runner_import_still_exits",),
+    ),
+    Mutation(
+        "credential-looking values pass into the sandbox",
+        "trio_gym/config.py",
+        "if _CREDENTIAL_NAME.search(name) or _CREDENTIAL_VALUE.search(value):",
+        "if _CREDENTIAL_NAME.search(name):",
+        ("tests/test_config.py::test_host_env_values_that_are_credentials_are_refused",),
+    ),
+    Mutation(
+        "examples not counted as cancelled (the counting that proves cancellation)",
+        "trio_gym/host/state.py",
+        "            self.examples_cancelled += 1\n",
+        "            pass\n",
+        (
+            "tests/test_host_clock.py::test_deadline_cancels_every_running_example",
+            "tests/test_host_clock.py::test_examples_of_a_runner_with_its_own_nursery_are_counted",
+        ),
     ),
 ]
 

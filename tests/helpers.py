@@ -41,18 +41,17 @@ class CountingRunner:
         self.running += 1
         self.peak = max(self.peak, self.running)
         self._note()
+        ended = self.cancelled  # unless it returns or raises: a group of Cancelled counts too
         try:
             result = await self.inner.run_example(example, context)
-        except trio.Cancelled:
-            self.cancelled.append((context.index, trio.current_time()))
-            raise
+            ended = self.completed
         except Exception:
-            self.failed.append((context.index, trio.current_time()))
+            ended = self.failed
             raise
         finally:
+            ended.append((context.index, trio.current_time()))
             self.running -= 1
             self._note()
-        self.completed.append((context.index, trio.current_time()))
         return result
 
     async def wait_for(self, predicate: Callable[[CountingRunner], bool]) -> None:
@@ -137,7 +136,12 @@ async def read_reply(stream: trio.abc.ReceiveStream, *, method: bytes = b"POST")
     parser.send(h11.EndOfMessage())
     reply = Reply()
     while True:
-        event = parser.next_event()
+        try:
+            event = parser.next_event()
+        except h11.RemoteProtocolError:
+            if reply.status:
+                raise
+            return reply  # closed without a response: status 0, not complete
         if event is h11.NEED_DATA:
             try:
                 data = await stream.receive_some(65536)

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -126,3 +127,59 @@ async def test_demo_runs_a_batch_and_prints_a_summary() -> None:
     assert "Summary" in out and "episodes        8" in out
     progress = result.stderr.decode()
     assert "chunk 2/2" in progress and "heartbeat" in progress
+
+
+async def test_a_signal_during_a_hung_runner_import_still_exits() -> None:
+    process = await trio.lowlevel.open_process(
+        [
+            sys.executable,
+            "-m",
+            "trio_gym",
+            "serve",
+            "--port",
+            "0",
+            "--runner",
+            "tests.hanging_import_runner:factory",
+        ],
+        stderr=subprocess.PIPE,
+    )
+    assert process.stderr is not None
+    logs = LogReader(process.stderr)
+    try:
+        with trio.fail_after(HANG_GUARD_S):
+            await logs.wait_for("stage_started")
+            await logs.wait_for("stage_started")  # installing, then starting_runner
+            process.send_signal(signal.SIGTERM)
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_a_port_in_use_exits_2_naming_it() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with trio.fail_after(HANG_GUARD_S):
+            result = await trio.run_process(
+                [sys.executable, "-m", "trio_gym", "serve", "--port", str(port)],
+                capture_stderr=True,
+                check=False,
+            )
+    assert result.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}".encode() in result.stderr
+    assert b"Traceback" not in result.stderr
+
+
+async def test_install_of_an_explicitly_named_missing_package_fails() -> None:
+    with trio.fail_after(HANG_GUARD_S):
+        result = await trio.run_process(
+            [sys.executable, "-m", "trio_gym", "install", "--environment-path", "/no/such/env"],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert b"/no/such/env" in result.stderr and b"missing" in result.stderr

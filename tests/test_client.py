@@ -365,3 +365,19 @@ def test_rollout_errors_survive_pickling() -> None:
         502,
         "x",
     )
+
+
+async def test_a_413_decided_while_the_client_still_uploads_is_read_as_a_client_failure() -> None:
+    """The host answers from the declared length and stops draining after drain_max_bytes; the
+    client must read that early answer instead of dying on the broken upload."""
+    import attrs
+
+    async with running_host(runner=CountingRunner(), max_request_bytes=1024 * 1024) as (host, port):
+        host.limits = attrs.evolve(host.limits, drain_max_bytes=1024 * 1024)
+        settings = ClientSettings(max_request_bytes=1024**3, backoff_s=0)
+        client = RolloutClient(f"http://127.0.0.1:{port}", settings)
+        with trio.fail_after(HANG_GUARD_S), pytest.raises(RolloutError) as failure:
+            await client.run([{"seed": 1, "_pad": "x" * (40 * 1024 * 1024)}])
+    assert failure.value.origin is Origin.CLIENT and not failure.value.retryable
+    assert failure.value.status == 413
+    assert "after 1 attempt(s)" in failure.value.message

@@ -136,7 +136,11 @@ def test_caller_to_bootstrap_environment_to_serve_config_keeps_every_field(
         ("AWS_SECRET_ACCESS_KEY", "looks like a credential"),
         ("DB_PASSWORD", "looks like a credential"),
         ("OPENAI_API_KEY", "looks like a credential"),
+        ("OPENAI_KEY", "looks like a credential"),
+        ("GITHUB_PAT", "looks like a credential"),
         ("1BAD", "not an environment variable name"),
+        ("UV_OFFLINE", "set environment_offline instead"),
+        ("UV_FIND_LINKS", "decided by the installer stage"),
     ],
 )
 def test_host_env_may_not_redefine_bootstrap_names_or_carry_secrets(
@@ -145,6 +149,15 @@ def test_host_env_may_not_redefine_bootstrap_names_or_carry_secrets(
     with pytest.raises(ConfigError, match=name) as refusal:
         load_caller_config({"host_env": {name: "x"}}, source="trainer.yaml")
     assert fragment in str(refusal.value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["https://user:hunter2@hub.example/api", "sk-abc123", "ghp_abc", "hf_abc", "AKIAIOSFODNN7"],
+)
+def test_host_env_values_that_are_credentials_are_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match="HF_ENDPOINT looks like a credential"):
+        load_caller_config({"host_env": {"HF_ENDPOINT": value}}, source="trainer.yaml")
 
 
 def test_ordinary_host_env_names_pass() -> None:

@@ -209,3 +209,125 @@ async def test_http_10_caller_gets_503_when_the_host_shuts_down(
     assert reply.status == 503 and reply.framing == "content-length"
     assert reply.json()["error"]["code"] == "shutting_down"
     assert len(runner.cancelled) == 2
+
+
+class NurseryRunner:
+    """A runner with a nursery of its own: cancelled, it ends with a group of Cancelled."""
+
+    def check_example(self, example: Any) -> None:
+        pass
+
+    async def run_example(self, example: Any, context: Any) -> Any:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep, 1000)
+            nursery.start_soon(trio.sleep, 1000)
+        return {}
+
+
+async def test_examples_of_a_runner_with_its_own_nursery_are_counted(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner(NurseryRunner())
+    host = Host(ServeConfig(port=0, rollout_deadline_s=10), runner=runner)
+    async with trio.open_nursery() as nursery:
+        client = open_connection(nursery, host)
+        reply = await exchange(client, request_bytes({"examples": [{}, {}]}))
+    assert reply.json()["error"]["code"] == "deadline_exceeded"
+    assert len(runner.cancelled) == 2
+    assert host.stats.examples_cancelled == 2 and host.stats.examples_running == 0
+
+
+async def test_a_cancelled_connection_gives_back_its_slot(autojump_clock: trio.abc.Clock) -> None:
+    host = make_host(CountingRunner(), max_connections=2)
+    async with trio.open_nursery() as nursery:
+        for _ in range(2):
+            client = open_connection(nursery, host)
+            await client.send_all(b"POST /rollouts/run HTTP/1.1\r\n")  # a head still arriving
+        await trio.sleep(1)
+        assert host.stats.connections_open == 2
+        nursery.cancel_scope.cancel()
+    assert host.stats.connections_open == 0
+    assert host.connection_slots.borrowed_tokens == 0
+
+
+async def test_beyond_the_cap_a_bounded_overflow_hears_503_and_the_rest_are_closed(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    host = make_host(CountingRunner(), max_connections=1, read_timeout_s=30)
+    overflow = host.overflow_slots.total_tokens
+    async with trio.open_nursery() as nursery:
+
+        async def connect() -> Any:
+            stream = open_connection(nursery, host)
+            await trio.sleep(0.001)  # admitted in order: each handler runs before the next
+            return stream
+
+        start = trio.current_time()
+        holder = await connect()  # takes the only full slot and sends nothing
+        silent = [await connect() for _ in range(overflow)]
+        dropped = await connect()
+        opened = trio.current_time()
+        dropped_reply = await read_reply(dropped)
+        assert trio.current_time() == opened  # closed at once, nothing read or written
+        busy_replies = [await read_reply(stream) for stream in silent]
+        holder_reply = await read_reply(holder)
+    assert not dropped_reply.status and not dropped_reply.complete
+    assert {reply.status for reply in busy_replies} == {503}
+    assert {reply.json()["error"]["code"] for reply in busy_replies} == {"host_busy"}
+    assert all(reply.head_at - start < 3 for reply in busy_replies)  # the 2 s refusal timeout
+    assert holder_reply.status == 408 and holder_reply.head_at - start == 30
+
+
+async def test_a_trickled_body_gets_408_once_it_falls_below_the_minimum_rate(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    host = make_host(runner, read_timeout_s=30)
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        client = open_connection(nursery, host)
+        await client.send_all(request_bytes(b"x" * 100_000)[:-100_000])  # the head alone
+
+        async def trickle() -> None:
+            for _ in range(100):
+                await trio.sleep(29)  # always inside the 30 s idle timeout
+                await client.send_all(b"x")
+
+        nursery.start_soon(trickle)
+        reply = await read_reply(client)
+        nursery.cancel_scope.cancel()
+    assert reply.status == 408
+    assert "slower than 8192 bytes/s" in reply.json()["error"]["message"]
+    assert reply.head_at - start < 31  # 30 s of grace plus 1/8192 s per byte received
+    assert not runner.started
+
+
+async def test_the_host_is_checked_ready_before_the_body_is_read(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    host = Host(ServeConfig(port=0))  # never bootstrapped: still starting
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        client = open_connection(nursery, host)
+        await client.send_all(request_bytes(b"x" * 1000)[:-1000])  # no body will come
+        reply = await read_reply(client)
+    assert reply.status == 503 and reply.json()["error"]["code"] == "not_ready"
+    assert reply.head_at == start
+
+
+async def test_a_shutdown_while_the_body_arrives_refuses_the_batch(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    host = make_host(runner)
+    body = json.dumps(episodes(2, meetings=3, think_s=1)).encode()
+    request = request_bytes(body)
+    async with trio.open_nursery() as nursery:
+        client = open_connection(nursery, host)
+        await client.send_all(request[:-10])
+        await trio.sleep(5)
+        host.request_shutdown()
+        await client.send_all(request[-10:])
+        reply = await read_reply(client)
+    assert reply.status == 503 and reply.json()["error"]["code"] == "shutting_down"
+    assert not runner.started

@@ -129,8 +129,11 @@ async def test_expect_100_continue_over_the_limit_gets_413_without_the_body() ->
             b"POST /rollouts/run HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\n"
             b"Expect: 100-continue\r\n\r\n"
         )
-        reply = await tcp_exchange(port, head)
-    assert reply.status == 413
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(head)
+            first = await stream.receive_some(100)
+    assert first.startswith(b"HTTP/1.1 413 ")  # no 100 Continue invites a body it would refuse
 
 
 async def test_expect_100_continue_within_the_limit_is_invited_and_answered() -> None:
@@ -170,17 +173,42 @@ async def test_expect_100_continue_within_the_limit_is_invited_and_answered() ->
             501,
             "not_implemented",
         ),
+        (b"GET http://[::1/health HTTP/1.1\r\nHost: t\r\n\r\n", 400, "invalid_request"),
+        (b"CONNECT example.com:443 HTTP/1.1\r\nHost: t\r\n\r\n", 400, "invalid_request"),
+        (b"GET //[/health HTTP/1.1\r\nHost: t\r\n\r\n", 404, "not_found"),
+        (b"GET * HTTP/1.1\r\nHost: t\r\n\r\n", 405, "method_not_allowed"),
+        (
+            b"POST /rollouts/run HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n"
+            b'Transfer-Encoding: chunked\r\n\r\n10\r\n{"examples": []}\r\n0\r\n\r\n',
+            400,
+            "invalid_request",
+        ),
+        (request_bytes(b"[" * 100_000), 400, "invalid_request"),
     ],
-    ids=["garbage", "tls-hello", "http2", "no-host", "bad-length", "gzip-te"],
+    ids=[
+        "garbage",
+        "tls-hello",
+        "http2",
+        "no-host",
+        "bad-length",
+        "gzip-te",
+        "bad-absolute-target",
+        "authority-form",
+        "odd-path",
+        "get-star",
+        "length-and-chunked",
+        "deep-json",
+    ],
 )
 async def test_bytes_that_are_not_our_http_are_refused_clearly(
-    raw: bytes, status: int, code: str
+    raw: bytes, status: int, code: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with running_host(runner=CountingRunner()) as (host, port):
         reply = await tcp_exchange(port, raw)
         assert reply.status == status
         assert error_code(reply) == code
         assert reply.json()["error"]["message"]
+        assert "connection_failed" not in caplog.text  # a refusal, not a crash in our code
         health = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
         assert health.status == 200  # the server outlived it
 
@@ -339,18 +367,20 @@ async def test_results_come_back_in_input_order_with_identity_keys() -> None:
         {"sleep_s": 0.1, "_ng_task_index": 2, "result": {"_ng_task_index": None, "x": 1}},
         {"sleep_s": 0.2, "_ng_task_index": 3, "result": [1, 2]},
         {"sleep_s": 0.0, "result": {"y": 2}, "_ng_rollout_index": None},
+        {"_ng_rollout_index": 7, "result": {"_ng_rollout_index": 0, "_sg_example_id": ""}},
     ]
     runner = CountingRunner(ScriptedRunner())
     async with running_host(runner=runner) as (host, port):
         reply = await tcp_exchange(port, request_bytes({"examples": examples}))
     results = reply.json()["results"]
-    assert [index for index, _ in runner.completed] != [0, 1, 2, 3, 4]  # finished out of order
+    assert [index for index, _ in runner.completed] != [0, 1, 2, 3, 4, 5]  # out of order
     assert results == [
         {"index": 0, "_ng_task_index": 0, "_ng_rollout_index": 5, "_sg_example_id": "a"},
         {"_ng_task_index": 99},  # the runner's own value wins
         {"_ng_task_index": 2, "x": 1},  # null is filled in
         [1, 2],  # a non-object result is left alone
         {"y": 2},  # nothing invented
+        {"_ng_rollout_index": 0, "_sg_example_id": ""},  # falsy values are values too
     ]
     document = reply.json()
     assert set(document) == {"results", "job_id", "environment_path", "work_path"}

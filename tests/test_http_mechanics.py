@@ -16,6 +16,7 @@ from trio_gym.http import (
     HttpLimits,
     read_body,
     read_request_head,
+    send_body,
     send_empty,
 )
 
@@ -129,3 +130,25 @@ async def test_a_chunked_body_is_refused_as_soon_as_it_grows_past_the_limit() ->
     with pytest.raises(WireError) as refusal:
         await read_body(conn, head, max_bytes=50, idle_timeout_s=5)
     assert refusal.value.status == 413
+
+
+async def test_send_timeout_bounds_a_stall_not_a_slow_steady_reader(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    limits = HttpLimits(send_timeout_s=1)
+    conn, client, _ = await server_with_request(request_bytes(b"{}"), limits, lockstep=True)
+    received = bytearray()
+
+    async def slow_reader() -> None:
+        while True:  # 64 KiB every 0.1 s: 640 KiB/s, so a 2 MiB body takes over 3 s
+            data = await client.receive_some(64 * 1024)
+            if not data:
+                return
+            received.extend(data)
+            await trio.sleep(0.1)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(slow_reader)
+        await send_body(conn, 200, b"y" * (2 * 1024 * 1024), content_type="text/plain")
+        await conn.aclose()
+    assert received.endswith(b"y" * 1000) and len(received) > 2 * 1024 * 1024

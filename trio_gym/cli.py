@@ -19,7 +19,8 @@ import trio
 from trio_gym import logs
 from trio_gym.config import ConfigError, ServeConfig, load_serve_config
 from trio_gym.demo import run_demo
-from trio_gym.host import Host, serve
+from trio_gym.errors import leaves
+from trio_gym.host import Host, ListenError, serve
 from trio_gym.install import InstallError, PackageError, install_environment, load_package
 from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.batch_file import run_file
@@ -134,6 +135,10 @@ def _config(args: argparse.Namespace) -> ServeConfig | None:
     table: dict[str, tuple[Any, ...]] = args.flag_table
     flags = {spec[0]: getattr(args, spec[0]) for spec in table.values()}
     names = {spec[0]: flag for flag, spec in table.items()}
+    if flags.get("environment_path") is not None:
+        # A package named on the command line is meant to be there: missing is an error.
+        flags["environment_package_required"] = True
+        names["environment_package_required"] = "--environment-path"
     try:
         return load_serve_config(file=args.config, flags=flags, flag_names=names)
     except ConfigError as exc:
@@ -146,7 +151,14 @@ def _serve(args: argparse.Namespace) -> int:
     config = _config(args)
     if config is None:
         return 2
-    trio.run(_serve_until_signalled, Host(config))
+    failure: ListenError | None = None
+    try:
+        trio.run(_serve_until_signalled, Host(config))
+    except* ListenError as group:
+        failure = leaves(group)[0]
+    if failure is not None:
+        print(f"trio-gym serve: {failure}", file=sys.stderr)
+        return 2
     return 0
 
 

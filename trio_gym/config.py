@@ -130,9 +130,17 @@ BOOTSTRAP_VARIABLES: Final = (
 # it, so a credential must never travel there as an ordinary host variable.
 _CREDENTIAL_NAME: Final = re.compile(
     r"TOKEN|SECRET|PASSWORD|PASSWD|PASSPHRASE|API_?KEY|ACCESS_?KEY|PRIVATE_?KEY|CREDENTIAL"
-    r"|AUTH(?!OR)|COOKIE|SESSION_?KEY",
+    r"|AUTH(?!OR)|COOKIE|SESSION_?KEY|(^|_)KEY$|(^|_)PAT$",
     re.IGNORECASE,
 )
+# Values that are credentials whatever their name: URL user information, and the prefixes of
+# widely used token formats (OpenAI, Anthropic, GitHub, Hugging Face, Slack, AWS, JWTs).
+_CREDENTIAL_VALUE: Final = re.compile(
+    r"://[^/@\s]+:[^/@\s]+@|^(sk-|ghp_|gho_|ghs_|github_pat_|hf_|xox[abp]-|AKIA|eyJ)"
+)
+# Variables the installer stage derives from this config; set through host_env they would
+# silently overrule it (UV_OFFLINE there would count as the operator's own).
+_INSTALLER_VARIABLES: Final = ("UV_OFFLINE", "UV_FIND_LINKS")
 _VARIABLE_NAME: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -167,14 +175,19 @@ class CallerConfig(BaseModel):
     @field_validator("host_env")
     @classmethod
     def _check_host_env(cls, host_env: dict[str, str]) -> dict[str, str]:
-        for name in host_env:
+        for name, value in host_env.items():
             if not _VARIABLE_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not an environment variable name")
             if name in BOOTSTRAP_VARIABLES:
                 raise ValueError(
                     f"{name} is set from this config's own fields; remove it from host_env"
                 )
-            if _CREDENTIAL_NAME.search(name):
+            if name in _INSTALLER_VARIABLES:
+                raise ValueError(
+                    f"{name} is decided by the installer stage from environment_offline and the "
+                    "package; set environment_offline instead"
+                )
+            if _CREDENTIAL_NAME.search(name) or _CREDENTIAL_VALUE.search(value):
                 raise ValueError(
                     f"{name} looks like a credential; the sandbox's code can read its "
                     "environment, so pass secrets through the orchestrator's secret mechanism"

@@ -2,16 +2,20 @@
 
 Every refusal the host makes, and every failure it reports after the status line has left,
 is a :class:`WireError`: a machine-readable ``code``, a human ``message`` that says what was
-wrong and what to do, and the HTTP ``status`` it is answered with. One place in the host turns
-a ``WireError`` into a response (:mod:`trio_gym.host.responses`); the trainer client turns the
-envelope back into an exception. Nothing else invents status codes.
+wrong and what to do, and the HTTP ``status`` it is answered with. Before the status line, one
+place in the host turns a ``WireError`` into a response (``_answer`` in
+:mod:`trio_gym.host.server`); after it, the rollouts route puts the envelope into the
+document. The trainer client turns the envelope back into an exception. Nothing else invents
+status codes.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+E = TypeVar("E", bound=BaseException)
 
 
 class ErrorCode(enum.StrEnum):
@@ -81,3 +85,14 @@ class WireError(Exception):
 
     def __repr__(self) -> str:
         return f"WireError({self.code.value!r}, {self.message!r}, status={self.status})"
+
+
+def leaves(group: BaseExceptionGroup[E]) -> list[E]:
+    """The exceptions of a (possibly nested) group, in order."""
+    found: list[E] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            found.extend(leaves(exc))
+        else:
+            found.append(exc)
+    return found

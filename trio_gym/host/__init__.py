@@ -1,6 +1,6 @@
 """The sandbox host: routes, batches, heartbeats, admission (DESIGN §3)."""
 
-from trio_gym.host.server import handle_connection, serve
+from trio_gym.host.server import ListenError, handle_connection, serve
 from trio_gym.host.state import Host, HostStats
 
-__all__ = ["Host", "HostStats", "handle_connection", "serve"]
+__all__ = ["Host", "HostStats", "ListenError", "handle_connection", "serve"]

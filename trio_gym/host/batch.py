@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import attrs
 import trio
@@ -18,8 +18,6 @@ from trio_gym.runners import ExampleContext, Runner
 
 from .state import HostStats
 
-E = TypeVar("E", bound=BaseException)
-
 IDENTITY_KEYS: Final = ("_ng_task_index", "_ng_rollout_index", "_sg_example_id")
 
 # The upstream host's bounds for a reported traceback: enough to find the failing line of a
@@ -27,6 +25,8 @@ IDENTITY_KEYS: Final = ("_ng_task_index", "_ng_rollout_index", "_sg_example_id")
 TRACEBACK_FRAMES: Final = 20
 TRACEBACK_CHARS: Final = 8000
 HEADLINE_CHARS: Final = 2000
+# How much CPU-bound encoding happens between two yields to the scheduler: about a millisecond.
+YIELD_EVERY_BYTES: Final = 1024 * 1024
 
 
 class BatchState(enum.Enum):
@@ -105,15 +105,17 @@ async def _run_example(
     stats: HostStats,
 ) -> None:
     stats.examples_started += 1
+    # Counted in `finally`: a runner with a nursery of its own ends a cancellation with a group
+    # of Cancelled, which `except trio.Cancelled` would not see.
+    outcome = "cancelled"
     try:
         result = await runner.run_example(example, context)
-    except trio.Cancelled:
-        stats.examples_cancelled += 1
-        raise
+        outcome = "completed"
     except Exception as exc:  # any runner failure is this example's failure, reported as such
-        stats.examples_failed += 1
+        outcome = "failed"
         raise ExampleFailed(context.index, exc) from exc
-    stats.examples_completed += 1
+    finally:
+        stats.count_end(outcome)
     results[context.index] = carry_identity(example, result)
 
 
@@ -151,17 +153,6 @@ def internal_error(failures: Sequence[ExampleFailed]) -> WireError:
     )
 
 
-def leaves(group: BaseExceptionGroup[E]) -> list[E]:
-    """The exceptions of a (possibly nested) group, in order."""
-    found: list[E] = []
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            found.extend(leaves(exc))
-        else:
-            found.append(exc)
-    return found
-
-
 @attrs.frozen
 class ResultsInfo:
     """What every results document carries beside the results."""
@@ -171,17 +162,20 @@ class ResultsInfo:
     work_path: str
 
 
-def encode_results(results: Sequence[Any], info: ResultsInfo, max_bytes: int) -> list[bytes]:
+async def encode_results(results: Sequence[Any], info: ResultsInfo, max_bytes: int) -> list[bytes]:
     """The success document as byte pieces whose concatenation is one JSON object.
 
     Each result is encoded on its own, so the one that is not JSON is named, and the size limit
-    is enforced while encoding rather than after building the whole document. Raises
-    :class:`WireError` ``internal`` (a result that is not JSON) or ``payload_too_large``
-    (status 500: the request was fine, the answer is too big).
+    is enforced while encoding rather than after building the whole document. Every
+    ``YIELD_EVERY_BYTES`` of output it yields to the scheduler: a 200 MiB document takes seconds
+    of CPU, and other connections' heartbeats must not wait for it. Raises :class:`WireError`
+    ``internal`` (a result that is not JSON) or ``payload_too_large`` (status 500: the request
+    was fine, the answer is too big).
     """
     tail = encode_json(attrs.asdict(info))
     pieces = [b'{"results":[']
     size = len(pieces[0]) + len(tail) + 1
+    since_yield = 0
     for index, result in enumerate(results):
         try:
             encoded = encode_json(result)
@@ -199,6 +193,10 @@ def encode_results(results: Sequence[Any], info: ResultsInfo, max_bytes: int) ->
                 status=500,
             )
         pieces.append(b"," + encoded if index else encoded)
+        since_yield += len(encoded)
+        if since_yield >= YIELD_EVERY_BYTES:
+            since_yield = 0
+            await trio.lowlevel.checkpoint()
     pieces.append(b"]," + tail[1:])
     return pieces
 

@@ -30,7 +30,7 @@ import trio
 from pydantic import BaseModel, ConfigDict, Field
 
 from trio_gym.config import describe_validation_error
-from trio_gym.errors import ErrorCode, WireError
+from trio_gym.errors import ErrorCode, WireError, leaves
 from trio_gym.http import (
     ChunkedBody,
     ConnectionLost,
@@ -39,6 +39,7 @@ from trio_gym.http import (
     read_body,
     send_body,
 )
+from trio_gym.runners import Runner
 
 from .batch import (
     Batch,
@@ -48,7 +49,6 @@ from .batch import (
     coalesce,
     encode_results,
     internal_error,
-    leaves,
     run_examples,
 )
 from .state import Host, new_batch_id
@@ -58,6 +58,11 @@ HEARTBEAT: Final = b" "
 # trip is shorter (loopback and in-region links are well under it); for longer round trips the
 # next heartbeat write notices instead, within one more interval.
 PROBE_DELAY_S: Final = 0.2
+
+# Bodies above this are parsed and checked in a worker thread: a 59 MB body takes about 4 s of
+# CPU, which would stall every other connection's heartbeats and /health. Below it a thread hop
+# costs more than the work (and keeps virtual clocks in tests exact).
+THREAD_PARSE_BYTES: Final = 1024 * 1024
 
 TOO_LARGE_ADVICE: Final = (
     "send fewer examples per request, or raise max_request_bytes (NMP_MAX_REQUEST_BYTES)"
@@ -92,6 +97,10 @@ def parse_rollout_request(body: bytes) -> RolloutRequest:
         data = json.loads(text, parse_constant=_refuse_constant)
     except ValueError as exc:
         raise WireError(ErrorCode.INVALID_REQUEST, f"the body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise WireError(
+            ErrorCode.INVALID_REQUEST, "the body's JSON is nested too deeply to be an example"
+        ) from exc
     if not isinstance(data, dict):
         raise WireError(
             ErrorCode.INVALID_REQUEST,
@@ -101,6 +110,17 @@ def parse_rollout_request(body: bytes) -> RolloutRequest:
         return RolloutRequest.model_validate(data)
     except pydantic.ValidationError as exc:
         raise WireError(ErrorCode.INVALID_REQUEST, describe_validation_error(exc)) from exc
+
+
+def validate_batch(body: bytes, runner: Runner) -> RolloutRequest:
+    """Parse the body and let the runner check every example; ``invalid_request`` otherwise."""
+    request = parse_rollout_request(body)
+    for index, example in enumerate(request.examples):
+        try:
+            runner.check_example(example)
+        except ValueError as exc:
+            raise WireError(ErrorCode.INVALID_REQUEST, f"examples[{index}]: {exc}") from exc
+    return request
 
 
 @attrs.frozen
@@ -129,15 +149,13 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
         head,
         max_bytes=host.config.max_request_bytes,
         idle_timeout_s=host.limits.read_timeout_s,
+        min_rate=host.limits.min_body_rate,
         advice=TOO_LARGE_ADVICE,
     )
-    request = parse_rollout_request(body)
-    runner = host.runner
-    for index, example in enumerate(request.examples):
-        try:
-            runner.check_example(example)
-        except ValueError as exc:
-            raise WireError(ErrorCode.INVALID_REQUEST, f"examples[{index}]: {exc}") from exc
+    if len(body) > THREAD_PARSE_BYTES:
+        request = await trio.to_thread.run_sync(validate_batch, body, host.runner)
+    else:
+        request = validate_batch(body, host.runner)
     host.check_accepting()  # the body may have taken a while; the host may be stopping now
 
     deadline_s = min(request.deadline_s or math.inf, host.config.rollout_deadline_s)
@@ -197,7 +215,7 @@ async def _supervise(
     example was cancelled.
     """
     if not examples:
-        return _document(host, [])
+        return await _document(host, [])
     examples_scope = trio.CancelScope(deadline=trio.current_time() + deadline_s)
     caller_lost: ConnectionLost | None = None
     answer = Answer([])
@@ -248,17 +266,18 @@ async def _run(
                 "request, or a larger deadline_s (capped by NMP_ROLLOUT_DEADLINE_S)",
             )
         )
-    return _document(host, results)
+    return await _document(host, results)
 
 
-def _document(host: Host, results: list[Any]) -> Answer:
+async def _document(host: Host, results: list[Any]) -> Answer:
     info = ResultsInfo(
         job_id=host.config.job_id,
         environment_path=host.config.environment_path,
         work_path=host.config.work_path,
     )
+    limit = host.config.max_response_bytes
     try:
-        return Answer(encode_results(results, info, host.config.max_response_bytes))
+        return Answer(await encode_results(results, info, limit))
     except WireError as error:
         return Answer.failure(error)
 

@@ -22,6 +22,10 @@ from .state import Host
 Handler = Callable[[Host, HttpConnection, h11.Request], Awaitable[None]]
 
 
+class ListenError(Exception):
+    """The host could not open its listening socket; the message says what to change."""
+
+
 async def _answer_health(host: Host, conn: HttpConnection, head: h11.Request) -> None:
     status, document = host.health()
     await send_json(conn, status, document)
@@ -30,31 +34,54 @@ async def _answer_health(host: Host, conn: HttpConnection, head: h11.Request) ->
 async def _answer_options(host: Host, conn: HttpConnection, head: h11.Request) -> None:
     # RFC 9110 §9.3.7: an OPTIONS answer with no content must say Content-Length: 0. Load
     # balancers probe with "OPTIONS / HTTP/1.0" (HAProxy's default), so this is a real path.
-    await send_empty(conn, 200, headers=[("allow", _allowed(_route_path(head)))])
+    path = route_path(head.target)
+    allowed = _allowed(path) if path != "*" else _all_methods()
+    await send_empty(conn, 200, headers=[("allow", allowed)])
 
 
 ROUTES: Final[dict[str, dict[bytes, Handler]]] = {
     "/health": {b"GET": _answer_health, b"OPTIONS": _answer_options},
     "/rollouts/run": {b"POST": answer_rollouts, b"OPTIONS": _answer_options},
-    "*": {b"OPTIONS": _answer_options},
+    "*": {b"OPTIONS": _answer_options},  # the server as a whole (RFC 9110 §9.3.7)
 }
 
 
-def _route_path(head: h11.Request) -> str:
-    # Absolute-form targets (http://host/health) are legal and sent by some proxies.
-    return urllib.parse.urlsplit(head.target.decode("ascii", "replace")).path or "/"
+def route_path(target: bytes) -> str:
+    """The path a request target names; raises ``invalid_request`` for anything else.
+
+    Origin-form (``/health?x``) is the usual; absolute-form (``http://host/health``) is legal
+    and sent by some proxies; ``*`` is for OPTIONS. Authority-form (``CONNECT host:443``) and
+    garbage are not paths.
+    """
+    text = target.decode("ascii", "replace")
+    if text == "*":
+        return text
+    if text.startswith("/"):
+        return text.partition("?")[0]
+    if text.lower().startswith(("http://", "https://")):
+        try:
+            return urllib.parse.urlsplit(text).path or "/"
+        except ValueError as exc:
+            raise WireError(ErrorCode.INVALID_REQUEST, f"malformed request target: {exc}") from exc
+    raise WireError(
+        ErrorCode.INVALID_REQUEST,
+        f"the request target {text[:100]!r} is not a path; send e.g. POST /rollouts/run",
+    )
 
 
 def _allowed(path: str) -> str:
-    if path == "*":
-        return "GET, POST, OPTIONS"
     return ", ".join(method.decode() for method in ROUTES[path])
+
+
+def _all_methods() -> str:
+    methods = {method for handlers in ROUTES.values() for method in handlers}
+    return ", ".join(sorted(method.decode() for method in methods))
 
 
 async def _route(host: Host, conn: HttpConnection, head: h11.Request, *, busy: bool) -> None:
     if busy:
         raise _busy(host)
-    path = "*" if head.target == b"*" else _route_path(head)
+    path = route_path(head.target)
     methods = ROUTES.get(path)
     if methods is None:
         raise WireError(
@@ -86,7 +113,9 @@ async def _answer(host: Host, conn: HttpConnection, *, busy: bool) -> None:
     try:
         head = await read_request_head(conn)
         await _route(host, conn, head, busy=busy)
-    except WireError as refusal:
+    except WireError as error:
+        # Whatever the head held, an over-cap connection hears the same answer.
+        refusal = _busy(host) if busy else error
         log_event("refused", status=refusal.status, code=refusal.code.value, reason=refusal.message)
         await send_json(conn, refusal.status, refusal.envelope(), headers=refusal.headers)
 
@@ -94,17 +123,19 @@ async def _answer(host: Host, conn: HttpConnection, *, busy: bool) -> None:
 async def handle_connection(host: Host, stream: trio.abc.Stream) -> None:
     """Own one connection from accept to close: one request, one answer, a graceful close.
 
-    Never raises (but ``Cancelled``): whatever a caller sends, the server outlives it. A bug
-    surfacing here is logged with its traceback, and answered 500 if no answer has started.
+    Up to ``max_connections`` are served in full. Beyond that, a bounded overflow is answered
+    503 ``host_busy`` on short timeouts; beyond the overflow too, a connection is closed at once,
+    so a flood of sockets costs neither memory nor time. Never raises (but ``Cancelled``):
+    whatever a caller sends, the server outlives it. A bug surfacing here is logged with its
+    traceback, and answered 500 if no answer has started.
     """
-    conn = HttpConnection(stream, h11.SERVER, host.limits)
-    try:
-        host.connection_slots.acquire_nowait()
-    except trio.WouldBlock:
-        busy = True
-    else:
-        busy = False
-        host.stats.connections_open += 1
+    admission = host.admit_connection()
+    if admission is None:
+        log_event("connection_dropped", reason="the connection cap and its overflow are full")
+        await stream.aclose()
+        return
+    busy = admission is host.overflow_slots
+    conn = HttpConnection(stream, h11.SERVER, host.refusal_limits if busy else host.limits)
     try:
         await _answer(host, conn, busy=busy)
         await conn.close()
@@ -114,10 +145,8 @@ async def handle_connection(host: Host, stream: trio.abc.Stream) -> None:
         log_event("connection_failed", level=logging.ERROR, exc_info=True)
         await _answer_internal_error(conn)
     finally:
+        host.release_connection(admission)  # before any await: a cancelled close must not leak it
         await conn.aclose()
-        if not busy:
-            host.stats.connections_open -= 1
-            host.connection_slots.release()
 
 
 async def _answer_internal_error(conn: HttpConnection) -> None:
@@ -140,7 +169,16 @@ async def serve(
     within their sum).
     """
     config = host.config
-    listeners = await trio.open_tcp_listeners(config.port, host=config.host)
+    try:
+        listeners = await trio.open_tcp_listeners(config.port, host=config.host)
+    except OSError as exc:
+        log_event(
+            "listen_failed", level=logging.ERROR, host=config.host, port=config.port, error=str(exc)
+        )
+        raise ListenError(
+            f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}; "
+            "choose another --port (NMP_RUNTIME_HTTP_PORT) or stop what holds it"
+        ) from exc
     port: int = listeners[0].socket.getsockname()[1]
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as server_tasks:

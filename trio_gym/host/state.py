@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from typing import Final
 
 import attrs
 import trio
@@ -12,6 +13,9 @@ from trio_gym.errors import ErrorCode, WireError
 from trio_gym.install import InstallError, install_environment
 from trio_gym.logs import log_event
 from trio_gym.runners import Runner, load_runner
+
+# How long an over-cap connection may take to send its head, and how long its close drains.
+REFUSAL_TIMEOUT_S: Final = 2.0
 
 
 @attrs.frozen
@@ -45,6 +49,15 @@ class HostStats:
     examples_failed: int = 0
     examples_cancelled: int = 0
 
+    def count_end(self, outcome: str) -> None:
+        """Count an example's end: ``completed``, ``failed`` or ``cancelled``."""
+        if outcome == "completed":
+            self.examples_completed += 1
+        elif outcome == "failed":
+            self.examples_failed += 1
+        else:
+            self.examples_cancelled += 1
+
     @property
     def examples_running(self) -> int:
         ended = self.examples_completed + self.examples_failed + self.examples_cancelled
@@ -64,6 +77,14 @@ class Host:
         self.stats = HostStats()
         self.shutdown_requested = trio.Event()
         self.connection_slots = trio.CapacityLimiter(config.max_connections)
+        # Over-cap connections still get a clear 503, up to this many at once, on short
+        # timeouts (refusal_limits); a quarter of the cap, at least 8.
+        self.overflow_slots = trio.CapacityLimiter(max(8, config.max_connections // 4))
+        self.refusal_limits = attrs.evolve(
+            self.limits,
+            read_timeout_s=min(self.limits.read_timeout_s, REFUSAL_TIMEOUT_S),
+            drain_timeout_s=REFUSAL_TIMEOUT_S,
+        )
         self._runner = runner
         self.phase: Phase = Ready() if runner is not None else Starting("starting")
         self.settled = trio.Event()
@@ -71,10 +92,28 @@ class Host:
         if runner is not None:
             self.settled.set()
 
+    def admit_connection(self) -> trio.CapacityLimiter | None:
+        """Take a slot for a new connection: a full one, an overflow one, or ``None`` (full)."""
+        for slots in (self.connection_slots, self.overflow_slots):
+            try:
+                slots.acquire_nowait()
+            except trio.WouldBlock:
+                continue
+            if slots is self.connection_slots:
+                self.stats.connections_open += 1
+            return slots
+        return None
+
+    def release_connection(self, slots: trio.CapacityLimiter) -> None:
+        """Give back what :meth:`admit_connection` took; synchronous, so cancellation-safe."""
+        if slots is self.connection_slots:
+            self.stats.connections_open -= 1
+        slots.release()
+
     @property
     def runner(self) -> Runner:
         if self._runner is None:
-            raise RuntimeError("the runner is not loaded yet; check accepting() first")
+            raise RuntimeError("the runner is not loaded yet; call check_accepting() first")
         return self._runner
 
     async def bootstrap(self) -> None:
@@ -96,7 +135,11 @@ class Host:
             self._enter("installing")
             await install_environment(self.config)
             self._enter("starting_runner")
-            self._runner = await trio.to_thread.run_sync(load_runner, self.config.runner)
+            # Abandoned if cancelled: an import cannot be interrupted, and shutdown must not wait
+            # for one that hangs (the worker thread is a daemon; it dies with the process).
+            self._runner = await trio.to_thread.run_sync(
+                load_runner, self.config.runner, abandon_on_cancel=True
+            )
         except Exception as exc:  # the boundary: a user's package or module may fail any way
             assert isinstance(self.phase, Starting)
             message = str(exc) if isinstance(exc, InstallError) else f"{type(exc).__name__}: {exc}"
@@ -116,32 +159,45 @@ class Host:
             log_event("shutdown_requested")
             self.shutdown_requested.set()
 
-    def check_accepting(self) -> None:
-        """Return if a batch would be accepted now; else raise the 503 that says why not."""
+    def refusal(self) -> WireError | None:
+        """Why a batch would be refused right now, or ``None`` when it would be accepted.
+
+        Stopping outranks a failed start, which outranks a start in progress; ``/health`` and
+        ``POST /rollouts/run`` both answer from this one decision.
+        """
         if self.shutdown_requested.is_set():
-            raise WireError(ErrorCode.SHUTTING_DOWN, "the host is shutting down; send elsewhere")
+            return WireError(ErrorCode.SHUTTING_DOWN, "the host is shutting down; send elsewhere")
+        if isinstance(self.phase, Failed):
+            return WireError(
+                ErrorCode.BOOTSTRAP_FAILED,
+                f"the host failed to start at stage {self.phase.stage}: {self.phase.message}",
+            )
         if isinstance(self.phase, Starting):
-            raise WireError(
+            return WireError(
                 ErrorCode.NOT_READY,
                 f"the host is starting (stage {self.phase.stage}); poll GET /health until ready",
                 headers=[("retry-after", "1")],
             )
-        if isinstance(self.phase, Failed):
-            raise WireError(
-                ErrorCode.BOOTSTRAP_FAILED,
-                f"the host failed to start at stage {self.phase.stage}: {self.phase.message}",
-            )
+        return None
+
+    def check_accepting(self) -> None:
+        """Return if a batch would be accepted now; else raise the 503 that says why not."""
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
 
     def health(self) -> tuple[int, dict[str, object]]:
         """The ``/health`` answer of DESIGN §3.2: 200 only when a batch would be accepted."""
-        if isinstance(self.phase, Failed):
-            error = {"code": ErrorCode.BOOTSTRAP_FAILED.value, "message": self.phase.message}
-            return 503, {"status": "failed", "stage": self.phase.stage, "error": error}
-        if isinstance(self.phase, Starting):
-            return 503, {"status": "starting", "stage": self.phase.stage}
-        if self.shutdown_requested.is_set():
+        refusal = self.refusal()
+        if refusal is None:
+            return 200, {"status": "ready"}
+        if refusal.code is ErrorCode.SHUTTING_DOWN:
             return 503, {"status": "shutting_down"}
-        return 200, {"status": "ready"}
+        if isinstance(self.phase, Failed):
+            error = {"code": refusal.code.value, "message": self.phase.message}
+            return 503, {"status": "failed", "stage": self.phase.stage, "error": error}
+        assert isinstance(self.phase, Starting)
+        return 503, {"status": "starting", "stage": self.phase.stage}
 
 
 def new_batch_id() -> str:

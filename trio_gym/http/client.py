@@ -13,6 +13,7 @@ import attrs
 import h11
 
 from trio_gym.http.connection import HttpConnection
+from trio_gym.http.messages import send_message
 
 
 @attrs.frozen
@@ -65,11 +66,7 @@ async def send_request(
             *headers,
         ],
     )
-    events: list[h11.Event] = [request]
-    if body:
-        events.append(h11.Data(data=body))
-    events.append(h11.EndOfMessage())
-    await conn.send(*events)
+    await send_message(conn, request, body)
 
 
 async def read_response_head(conn: HttpConnection) -> h11.Response:

@@ -6,6 +6,7 @@ host and the trainer client drive their exchanges through it.
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 import h11
@@ -172,15 +173,10 @@ class HttpConnection:
         often as a full close; raises :class:`ConnectionLost` on a reset. A checkpoint; can
         block forever against a peer that neither sends nor closes.
         """
-        while True:
-            try:
-                data = await self._stream.receive_some(self.limits.receive_bytes)
-            except trio.BrokenResourceError as exc:
-                raise ConnectionLost(
-                    f"the peer reset the connection ({exc.__cause__ or exc})"
-                ) from exc
-            if not data:
-                return
+        try:
+            await self._discard_until_eof(math.inf)
+        except trio.BrokenResourceError as exc:
+            raise ConnectionLost(f"the peer reset the connection ({exc.__cause__ or exc})") from exc
 
     async def close(self) -> None:
         """Close so that the peer reads everything we sent, then release the stream.
@@ -196,19 +192,19 @@ class HttpConnection:
             if not self._lost and isinstance(self._stream, trio.abc.HalfCloseableStream):
                 with trio.move_on_after(self.limits.drain_timeout_s):
                     await self._stream.send_eof()
-                    await self._drain()
+                    await self._discard_until_eof(self.limits.drain_max_bytes)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the peer left first: there is nothing left to protect
         finally:
             await self._stream.aclose()
 
-    async def _drain(self) -> None:
-        drained = 0
-        while drained <= self.limits.drain_max_bytes:
+    async def _discard_until_eof(self, max_bytes: float) -> None:
+        discarded = 0
+        while discarded <= max_bytes:
             data = await self._stream.receive_some(self.limits.receive_bytes)
             if not data:
                 return
-            drained += len(data)
+            discarded += len(data)
 
     async def aclose(self) -> None:
         """Close the stream at once, without draining. Idempotent."""

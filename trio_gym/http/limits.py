@@ -22,6 +22,10 @@ class HttpLimits:
         How long one write may wait for the peer to take bytes before the peer is given up as
         gone. It also bounds every shielded write (see :meth:`HttpConnection.send`), so it is
         the longest a cancellation can be held back.
+    ``min_body_rate``
+        Bytes per second a request body must average (beyond ``read_timeout_s`` of grace), so
+        a peer trickling a byte at a time cannot hold a connection slot for hours (Apache's
+        mod_reqtimeout does the same with 500 bytes/s; 8 KiB/s is still a modem's speed).
     ``receive_bytes``
         The most a body read asks the kernel for at once.
     ``drain_timeout_s`` / ``drain_max_bytes``
@@ -33,6 +37,7 @@ class HttpLimits:
     max_head_bytes: int = 16 * 1024
     read_timeout_s: float = 30.0
     send_timeout_s: float = 30.0
+    min_body_rate: float = 8 * 1024
     receive_bytes: int = 64 * 1024
     drain_timeout_s: float = 10.0
     drain_max_bytes: int = 64 * 1024 * 1024

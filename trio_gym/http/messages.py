@@ -66,13 +66,24 @@ async def send_body(
         status,
         [("content-type", content_type), ("content-length", str(len(body))), *headers],
     )
-    if conn.request_method == b"HEAD" or not body:
+    if conn.request_method == b"HEAD":
         await conn.send(head, h11.EndOfMessage())
         return
-    pieces = [body[i : i + BODY_PIECE_BYTES] for i in range(0, len(body), BODY_PIECE_BYTES)]
-    await conn.send(head, h11.Data(data=pieces[0]))
-    for piece in pieces[1:]:
-        await conn.send(h11.Data(data=piece))
+    await send_message(conn, head, body)
+
+
+async def send_message(conn: HttpConnection, head: h11.Request | h11.Response, body: bytes) -> None:
+    """Send a head and its body (framed by the head's Content-Length), piece by piece.
+
+    Each piece is its own bounded write, so ``send_timeout_s`` means "the peer took nothing for
+    that long", not "the whole body must go out within it".
+    """
+    if len(body) <= BODY_PIECE_BYTES:
+        await conn.send(head, *([h11.Data(data=body)] if body else []), h11.EndOfMessage())
+        return
+    await conn.send(head)
+    for i in range(0, len(body), BODY_PIECE_BYTES):
+        await conn.send(h11.Data(data=body[i : i + BODY_PIECE_BYTES]))
     await conn.send(h11.EndOfMessage())
 
 
@@ -140,11 +151,13 @@ class ChunkedBody:
 
 
 def declared_length(head: h11.Request | h11.Response) -> int | None:
-    """The ``Content-Length`` a head declares (h11 has already checked it), else ``None``."""
-    for name, value in head.headers:
-        if name == b"content-length":
-            return int(value)
-    return None
+    """The ``Content-Length`` a head declares (h11 has already checked it), else ``None``.
+
+    With ``Transfer-Encoding`` present the length is not declared: chunked coding wins.
+    """
+    lengths = [value for name, value in head.headers if name == b"content-length"]
+    chunked = any(name == b"transfer-encoding" for name, _ in head.headers)
+    return int(lengths[0]) if lengths and not chunked else None
 
 
 def refusal_for(exc: h11.RemoteProtocolError) -> WireError:
@@ -172,6 +185,13 @@ async def read_request_head(conn: HttpConnection) -> h11.Request:
         if isinstance(event, h11.ConnectionClosed):
             raise ConnectionLost("the peer closed the connection before sending a request")
         assert isinstance(event, h11.Request), event
+        names = {name for name, _ in event.headers}
+        if b"content-length" in names and b"transfer-encoding" in names:
+            # RFC 9112 §6.3: a request smuggling vector; refusing it is allowed and safest.
+            raise WireError(
+                ErrorCode.INVALID_REQUEST,
+                "the request has both Content-Length and Transfer-Encoding; send one",
+            )
         if event.http_version not in SUPPORTED_VERSIONS:
             raise WireError(
                 ErrorCode.HTTP_VERSION_NOT_SUPPORTED,
@@ -191,6 +211,7 @@ async def read_body(
     *,
     max_bytes: int,
     idle_timeout_s: float,
+    min_rate: float | None = None,
     advice: str = "",
     on_data: Callable[[bytes], None] | None = None,
 ) -> bytes:
@@ -201,10 +222,13 @@ async def read_body(
     answered only once the declared length is known to fit. ``on_data`` sees each piece as it
     arrives (progress, heartbeats).
 
-    Raises :class:`WireError`: 413 too large (``advice`` appended), 408 no byte for
-    ``idle_timeout_s``, 400 bad framing or a body cut short; :class:`ConnectionLost` on a
-    reset. A body delimited by the close is read until the close: the caller decides whether
-    that framing is acceptable.
+    Time: no gap between bytes may exceed ``idle_timeout_s``; with ``min_rate`` (bytes per
+    second) the whole body must also arrive within ``idle_timeout_s + received / min_rate``, so
+    a peer trickling a byte at a time cannot hold the connection for hours.
+
+    Raises :class:`WireError`: 413 too large (``advice`` appended), 408 too slow, 400 bad
+    framing or a body cut short; :class:`ConnectionLost` on a reset. A body delimited by the
+    close is read until the close: the caller decides whether that framing is acceptable.
     """
     declared = declared_length(head)
     if declared is not None and declared > max_bytes:
@@ -212,18 +236,19 @@ async def read_body(
     if conn.peer_waits_for_100_continue:
         await conn.send(h11.InformationalResponse(status_code=100, headers=[]))
     body = bytearray()
+    started = trio.current_time()
     while True:
-        with trio.move_on_after(idle_timeout_s) as idle:
+        wait = idle_timeout_s
+        if min_rate is not None:
+            allowed = started + idle_timeout_s + len(body) / min_rate - trio.current_time()
+            wait = min(wait, allowed)
+        with trio.move_on_after(wait) as timer:
             try:
                 event = await conn.next_event()
             except h11.RemoteProtocolError as exc:
                 raise WireError(ErrorCode.INVALID_REQUEST, f"malformed body: {exc}") from exc
-        if idle.cancelled_caught:
-            raise WireError(
-                ErrorCode.REQUEST_TIMEOUT,
-                f"no byte of the body arrived for {idle_timeout_s:g} s "
-                f"({len(body)} bytes received)",
-            )
+        if timer.cancelled_caught:
+            raise _too_slow(wait < idle_timeout_s, idle_timeout_s, min_rate, len(body))
         if isinstance(event, h11.Data):
             body += event.data
             if len(body) > max_bytes:
@@ -234,6 +259,16 @@ async def read_body(
             return bytes(body)
         else:
             raise WireError(ErrorCode.INVALID_REQUEST, f"the body ended early ({event!r})")
+
+
+def _too_slow(
+    by_rate: bool, idle_timeout_s: float, min_rate: float | None, received: int
+) -> WireError:
+    if by_rate:
+        reason = f"the body arrived slower than {min_rate:g} bytes/s"
+    else:
+        reason = f"no byte of the body arrived for {idle_timeout_s:g} s"
+    return WireError(ErrorCode.REQUEST_TIMEOUT, f"{reason} ({received} bytes received)")
 
 
 def _too_large(what: str, max_bytes: int, advice: str) -> WireError:

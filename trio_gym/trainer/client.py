@@ -308,22 +308,7 @@ class RolloutClient:
         version = self.settings.http_version.encode()
         conn = HttpConnection(stream, h11.CLIENT, self.limits, request_version=version)
         try:
-            try:
-                await send_request(
-                    conn,
-                    self.endpoint,
-                    "POST",
-                    "/rollouts/run",
-                    payload,
-                    headers=[("content-type", "application/json")],
-                )
-                head = await read_response_head(conn)
-            except (ConnectionLost, EOFError, h11.RemoteProtocolError) as exc:
-                raise RolloutError(
-                    f"no response from {self.endpoint.authority}: {exc}",
-                    origin=Origin.PROXY,
-                    retryable=True,
-                ) from exc
+            head = await self._send_and_await_head(conn, payload)
             exchange.status = head.status_code
             try:
                 body = await read_body(
@@ -347,6 +332,47 @@ class RolloutClient:
             return head.status_code, body
         finally:
             await conn.aclose()
+
+    async def _send_and_await_head(self, conn: HttpConnection, payload: bytes) -> h11.Response:
+        """Upload the request while watching for the answer.
+
+        A host may answer before the upload ends (a 413 decided from the declared length), and
+        then stops reading; an upload that waited to finish before reading would die on a
+        broken pipe and never see the answer. So the head is awaited beside the upload, and an
+        early head ends the upload.
+        """
+        upload_failed: ConnectionLost | None = None
+
+        async def upload() -> None:
+            nonlocal upload_failed
+            try:
+                await send_request(
+                    conn,
+                    self.endpoint,
+                    "POST",
+                    "/rollouts/run",
+                    payload,
+                    headers=[("content-type", "application/json")],
+                )
+            except ConnectionLost as exc:
+                upload_failed = exc  # the answer may still be readable; the head decides
+
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(upload)
+            try:
+                head = await read_response_head(conn)
+            except (ConnectionLost, EOFError, h11.RemoteProtocolError) as exc:
+                failure = exc
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            cause = failure if upload_failed is None else f"{upload_failed}; then {failure}"
+            raise RolloutError(
+                f"no response from {self.endpoint.authority}: {cause}",
+                origin=Origin.PROXY,
+                retryable=True,
+            ) from failure
+        return head
 
 
 class _Exchange:
