@@ -297,7 +297,9 @@ MUTATIONS = [
         "trio_gym/host/rollouts.py",
         "        min_rate=host.limits.min_body_rate,\n",
         "",
-        ("tests/test_host_clock.py::test_a_trickled_body_gets_408_once_it_falls_below_the_minimum_rate",),
+        (
+            "tests/test_host_clock.py::test_a_trickled_body_gets_408_once_it_falls_below_the_minimum_rate",
+        ),
     ),
     Mutation(
         "readiness checked only after reading the body",
@@ -324,7 +326,9 @@ MUTATIONS = [
         "        await conn.send(h11.InformationalResponse(status_code=100, headers=[]))\n"
         "    if declared is not None and declared > max_bytes:\n"
         '        raise _too_large(f"declares {declared} bytes", max_bytes, advice)',
-        ("tests/test_host_wire.py::test_expect_100_continue_over_the_limit_gets_413_without_the_body",),
+        (
+            "tests/test_host_wire.py::test_expect_100_continue_over_the_limit_gets_413_without_the_body",
+        ),
     ),
     Mutation(
         "a request with both Content-Length and Transfer-Encoding accepted",
@@ -338,7 +342,9 @@ MUTATIONS = [
         "trio_gym/http/messages.py",
         "    if len(body) <= BODY_PIECE_BYTES:",
         "    if True:",
-        ("tests/test_http_mechanics.py::test_send_timeout_bounds_a_stall_not_a_slow_steady_reader",),
+        (
+            "tests/test_http_mechanics.py::test_send_timeout_bounds_a_stall_not_a_slow_steady_reader",
+        ),
     ),
     Mutation(
         "the connection slot released after an await (leaks when cancelled)",
