@@ -3,7 +3,18 @@
 Connection handling, framing, limits and graceful close; nothing here knows what a route means.
 """
 
-from trio_gym.http.client import Endpoint, read_response_head, send_request
+from trio_gym.http.client import (
+    BodyFailed,
+    ClientExchange,
+    Endpoint,
+    NoResponse,
+    Response,
+    StreamOpener,
+    exchange,
+    open_tcp,
+    read_response_head,
+    send_request,
+)
 from trio_gym.http.connection import ConnectionLost, HttpConnection
 from trio_gym.http.limits import HttpLimits
 from trio_gym.http.messages import (
@@ -18,13 +29,20 @@ from trio_gym.http.messages import (
 )
 
 __all__ = [
+    "BodyFailed",
     "ChunkedBody",
+    "ClientExchange",
     "ConnectionLost",
     "Endpoint",
     "HttpConnection",
     "HttpLimits",
+    "NoResponse",
+    "Response",
+    "StreamOpener",
     "declared_length",
     "encode_json",
+    "exchange",
+    "open_tcp",
     "read_body",
     "read_request_head",
     "read_response_head",

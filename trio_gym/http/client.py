@@ -1,19 +1,27 @@
-"""The client half: where a URL points, sending a request, reading the response head.
+"""The client half: one request and its response on a connection of its own.
 
 Bodies are read with :func:`trio_gym.http.messages.read_body`, the same reader the host uses,
-so there is one parser for both directions.
+so there is one parser for both directions. Failures come in two kinds that callers must tell
+apart, because only the first may be retried without running anything twice:
+
+- :class:`NoResponse`: no response head arrived (refused, reset, closed without a word);
+- :class:`BodyFailed`: the head arrived, then the body did not (cut short, too large, stalled).
 """
 
 from __future__ import annotations
 
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from types import TracebackType
 
 import attrs
 import h11
+import trio
 
-from trio_gym.http.connection import HttpConnection
-from trio_gym.http.messages import send_message
+from trio_gym.errors import WireError
+from trio_gym.http.connection import ConnectionLost, HttpConnection
+from trio_gym.http.limits import HttpLimits
+from trio_gym.http.messages import read_body, send_message
 
 
 @attrs.frozen
@@ -27,12 +35,16 @@ class Endpoint:
     @classmethod
     def parse(cls, url: str) -> Endpoint:
         """Parse ``http://host[:port][/base]``; raises ``ValueError`` naming what is wrong."""
-        parts = urllib.parse.urlsplit(url)
+        try:
+            parts = urllib.parse.urlsplit(url)
+            port = parts.port
+        except ValueError as exc:
+            raise ValueError(f"{url!r}: not a URL ({exc})") from exc
         if parts.scheme != "http":
             raise ValueError(f"{url!r}: only http:// URLs are supported (got {parts.scheme!r})")
         if not parts.hostname:
             raise ValueError(f"{url!r}: the URL names no host")
-        return cls(parts.hostname, parts.port or 80, parts.path.rstrip("/"))
+        return cls(parts.hostname, port or 80, parts.path.rstrip("/"))
 
     @property
     def authority(self) -> str:
@@ -41,6 +53,188 @@ class Endpoint:
 
     def target(self, path: str) -> str:
         return f"{self.base_path}{path}"
+
+
+StreamOpener = Callable[[Endpoint], Awaitable[trio.abc.Stream]]
+
+
+async def open_tcp(endpoint: Endpoint) -> trio.abc.Stream:
+    """The default opener: a TCP connection to the endpoint."""
+    return await trio.open_tcp_stream(endpoint.host, endpoint.port)
+
+
+class NoResponse(Exception):
+    """No response head arrived; the message says what happened instead."""
+
+
+class BodyFailed(Exception):
+    """The response head arrived (``status``) but its body did not complete.
+
+    ``too_large`` says the body was refused for exceeding the reader's limit rather than cut.
+    """
+
+    def __init__(self, message: str, *, status: int, too_large: bool = False) -> None:
+        super().__init__(message)
+        self.status = status
+        self.too_large = too_large
+
+
+@attrs.frozen
+class Response:
+    status: int
+    headers: tuple[tuple[bytes, bytes], ...]
+    body: bytes
+
+    def header(self, name: bytes) -> bytes | None:
+        return next((value for key, value in self.headers if key == name), None)
+
+
+class ClientExchange:
+    """One request and its response on a connection of its own; an async context manager.
+
+    ``async with ClientExchange.open(...) as exchange:`` connects (``NoResponse`` if it cannot),
+    :meth:`send` uploads the request and returns the response head, :meth:`read_body` or
+    :meth:`next_data` read the body. Leaving the block closes the connection at once, which a
+    peer serving the request sees as the caller leaving.
+    """
+
+    def __init__(self, conn: HttpConnection, endpoint: Endpoint) -> None:
+        self.conn = conn
+        self.endpoint = endpoint
+        self.status: int | None = None
+
+    @classmethod
+    async def open(
+        cls,
+        endpoint: Endpoint,
+        limits: HttpLimits,
+        *,
+        opener: StreamOpener = open_tcp,
+        request_version: bytes = b"1.1",
+    ) -> ClientExchange:
+        try:
+            stream = await opener(endpoint)
+        except OSError as exc:
+            raise NoResponse(f"could not connect to {endpoint.authority}: {exc}") from exc
+        conn = HttpConnection(stream, h11.CLIENT, limits, request_version=request_version)
+        return cls(conn, endpoint)
+
+    async def __aenter__(self) -> ClientExchange:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.conn.aclose()
+
+    async def send(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        *,
+        headers: Sequence[tuple[str, str]] = (),
+    ) -> h11.Response:
+        """Upload the request while watching for the answer; return the final response head.
+
+        A server may answer before the upload ends (a 413 decided from the declared length) and
+        then stop reading; an upload that waited to finish before reading would die on a broken
+        pipe and never see the answer. So the head is awaited beside the upload, and an early
+        head ends the upload. Raises :class:`NoResponse`.
+        """
+        upload_failed: ConnectionLost | None = None
+
+        async def upload() -> None:
+            nonlocal upload_failed
+            try:
+                await send_request(self.conn, self.endpoint, method, path, body, headers=headers)
+            except ConnectionLost as exc:
+                upload_failed = exc  # the answer may still be readable; the head decides
+
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(upload)
+            try:
+                head = await read_response_head(self.conn)
+            except (ConnectionLost, EOFError, h11.RemoteProtocolError) as exc:
+                failure = exc
+            nursery.cancel_scope.cancel()
+        if failure is not None:
+            cause = failure if upload_failed is None else f"{upload_failed}; then {failure}"
+            raise NoResponse(f"no response from {self.endpoint.authority}: {cause}") from failure
+        self.status = head.status_code
+        return head
+
+    async def read_body(
+        self,
+        head: h11.Response,
+        *,
+        max_bytes: int,
+        idle_timeout_s: float,
+        on_data: Callable[[bytes], None] | None = None,
+    ) -> bytes:
+        """The whole body; raises :class:`BodyFailed`."""
+        try:
+            return await read_body(
+                self.conn, head, max_bytes=max_bytes, idle_timeout_s=idle_timeout_s, on_data=on_data
+            )
+        except WireError as exc:
+            too_large = exc.status == 413
+            raise BodyFailed(exc.message, status=head.status_code, too_large=too_large) from exc
+        except ConnectionLost as exc:
+            raise BodyFailed(str(exc), status=head.status_code) from exc
+
+    async def next_data(self, head: h11.Response, *, idle_timeout_s: float) -> bytes | None:
+        """The next piece of the body as it arrives, or ``None`` once it is complete.
+
+        Raises :class:`BodyFailed` if the body is cut short or nothing arrives for
+        ``idle_timeout_s``.
+        """
+        with trio.move_on_after(idle_timeout_s):
+            try:
+                event = await self.conn.next_event()
+            except (ConnectionLost, h11.RemoteProtocolError) as exc:
+                raise BodyFailed(f"the body was cut short: {exc}", status=head.status_code) from exc
+            if isinstance(event, h11.Data):
+                return bytes(event.data)
+            if isinstance(event, h11.EndOfMessage):
+                return None
+            raise BodyFailed(f"the body ended early ({event!r})", status=head.status_code)
+        raise BodyFailed(
+            f"no byte of the body arrived for {idle_timeout_s:g} s", status=head.status_code
+        )
+
+
+async def exchange(
+    endpoint: Endpoint,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    *,
+    limits: HttpLimits,
+    max_response_bytes: int,
+    idle_timeout_s: float,
+    headers: Sequence[tuple[str, str]] = (),
+    opener: StreamOpener = open_tcp,
+    request_version: bytes = b"1.1",
+    on_head: Callable[[h11.Response], None] | None = None,
+    on_data: Callable[[bytes], None] | None = None,
+) -> Response:
+    """One whole request and response; raises :class:`NoResponse` or :class:`BodyFailed`."""
+    opened = await ClientExchange.open(
+        endpoint, limits, opener=opener, request_version=request_version
+    )
+    async with opened:
+        head = await opened.send(method, path, body, headers=headers)
+        if on_head is not None:
+            on_head(head)
+        data = await opened.read_body(
+            head, max_bytes=max_response_bytes, idle_timeout_s=idle_timeout_s, on_data=on_data
+        )
+    return Response(head.status_code, tuple(head.headers), data)
 
 
 async def send_request(

@@ -26,23 +26,23 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal, Protocol
 
 import attrs
 import h11
 import trio
 
-from trio_gym.errors import ErrorCode, WireError
+from trio_gym.errors import ErrorCode
 from trio_gym.http import (
-    ConnectionLost,
+    BodyFailed,
     Endpoint,
-    HttpConnection,
     HttpLimits,
+    NoResponse,
+    StreamOpener,
     encode_json,
-    read_body,
-    read_response_head,
-    send_request,
+    exchange,
+    open_tcp,
 )
 from trio_gym.logs import log_event
 
@@ -147,13 +147,6 @@ class ClientSettings:
                 raise ValueError(f"{name} must be at least 1")
 
 
-StreamOpener = Callable[[Endpoint], Awaitable[trio.abc.Stream]]
-
-
-async def open_tcp(endpoint: Endpoint) -> trio.abc.Stream:
-    return await trio.open_tcp_stream(endpoint.host, endpoint.port)
-
-
 class RolloutClient:
     """Runs batches against one host. Async, trio-only; one client may serve many tasks.
 
@@ -255,6 +248,42 @@ class RolloutClient:
 
         Raises :class:`RolloutError` classified as in the module docstring.
         """
+        payload = self._payload(examples)
+        heard = _Heard(on_heartbeat)
+        started = trio.current_time()
+        with trio.move_on_after(self.settings.request_deadline_s):
+            try:
+                response = await exchange(
+                    self.endpoint,
+                    "POST",
+                    "/rollouts/run",
+                    payload,
+                    limits=self.limits,
+                    max_response_bytes=self.settings.max_response_bytes,
+                    idle_timeout_s=self.settings.idle_timeout_s,
+                    headers=[("content-type", "application/json")],
+                    opener=self._open,
+                    request_version=self.settings.http_version.encode(),
+                    on_head=heard.on_head,
+                    on_data=heard.on_data,
+                )
+            except NoResponse as exc:
+                raise RolloutError(str(exc), origin=Origin.PROXY, retryable=True) from exc
+            except BodyFailed as exc:
+                raise _body_failed(exc, heard) from exc
+            elapsed = trio.current_time() - started
+            results = decode_response(response.status, response.body, elapsed_s=elapsed)
+            if len(results) != len(examples):
+                raise RolloutError(
+                    f"the host returned {len(results)} results for {len(examples)} examples",
+                    origin=Origin.SANDBOX,
+                    retryable=False,
+                    status=response.status,
+                )
+            return results
+        raise _deadline_passed(self.settings.request_deadline_s, self.endpoint, heard)
+
+    def _payload(self, examples: Sequence[Mapping[str, Any]]) -> bytes:
         document: dict[str, Any] = {"examples": list(examples)}
         if self.settings.host_deadline_s is not None:
             document["deadline_s"] = self.settings.host_deadline_s
@@ -266,122 +295,19 @@ class RolloutClient:
                 origin=Origin.CLIENT,
                 retryable=False,
             )
-        exchange = _Exchange(on_heartbeat)
-        started = trio.current_time()
-        with trio.move_on_after(self.settings.request_deadline_s):
-            status, body = await self._exchange(payload, exchange)
-            results = decode_response(status, body, elapsed_s=trio.current_time() - started)
-            if len(results) != len(examples):
-                raise RolloutError(
-                    f"the host returned {len(results)} results for {len(examples)} examples",
-                    origin=Origin.SANDBOX,
-                    retryable=False,
-                    status=status,
-                )
-            return results
-        waited = self.settings.request_deadline_s
-        if exchange.status is None:
-            raise RolloutError(
-                f"no response headers from {self.endpoint.authority} within {waited:g} s",
-                origin=Origin.PROXY,
-                retryable=True,
-            )
-        raise RolloutError(
-            f"no complete answer within {waited:g} s (request_deadline_s) although the host "
-            f"kept sending ({exchange.heartbeats} heartbeat(s)); its own deadline should have "
-            "ended the batch first: check its NMP_ROLLOUT_DEADLINE_S",
-            origin=Origin.SANDBOX,
-            retryable=False,
-            status=exchange.status,
-        )
-
-    async def _exchange(self, payload: bytes, exchange: _Exchange) -> tuple[int, bytes]:
-        """Send the request and read the whole response; classify transport failures."""
-        try:
-            stream = await self._open(self.endpoint)
-        except OSError as exc:
-            raise RolloutError(
-                f"could not connect to {self.endpoint.authority}: {exc}",
-                origin=Origin.PROXY,
-                retryable=True,
-            ) from exc
-        version = self.settings.http_version.encode()
-        conn = HttpConnection(stream, h11.CLIENT, self.limits, request_version=version)
-        try:
-            head = await self._send_and_await_head(conn, payload)
-            exchange.status = head.status_code
-            try:
-                body = await read_body(
-                    conn,
-                    head,
-                    max_bytes=self.settings.max_response_bytes,
-                    idle_timeout_s=self.settings.idle_timeout_s,
-                    on_data=exchange.on_data,
-                )
-            except WireError as exc:
-                if exc.code is ErrorCode.PAYLOAD_TOO_LARGE:
-                    raise RolloutError(
-                        f"the response is over this client's max_response_bytes: {exc.message}",
-                        origin=Origin.CLIENT,
-                        retryable=False,
-                        status=head.status_code,
-                    ) from exc
-                raise _died(head.status_code, exchange, exc) from exc
-            except ConnectionLost as exc:
-                raise _died(head.status_code, exchange, exc) from exc
-            return head.status_code, body
-        finally:
-            await conn.aclose()
-
-    async def _send_and_await_head(self, conn: HttpConnection, payload: bytes) -> h11.Response:
-        """Upload the request while watching for the answer.
-
-        A host may answer before the upload ends (a 413 decided from the declared length), and
-        then stops reading; an upload that waited to finish before reading would die on a
-        broken pipe and never see the answer. So the head is awaited beside the upload, and an
-        early head ends the upload.
-        """
-        upload_failed: ConnectionLost | None = None
-
-        async def upload() -> None:
-            nonlocal upload_failed
-            try:
-                await send_request(
-                    conn,
-                    self.endpoint,
-                    "POST",
-                    "/rollouts/run",
-                    payload,
-                    headers=[("content-type", "application/json")],
-                )
-            except ConnectionLost as exc:
-                upload_failed = exc  # the answer may still be readable; the head decides
-
-        failure: Exception | None = None
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(upload)
-            try:
-                head = await read_response_head(conn)
-            except (ConnectionLost, EOFError, h11.RemoteProtocolError) as exc:
-                failure = exc
-            nursery.cancel_scope.cancel()
-        if failure is not None:
-            cause = failure if upload_failed is None else f"{upload_failed}; then {failure}"
-            raise RolloutError(
-                f"no response from {self.endpoint.authority}: {cause}",
-                origin=Origin.PROXY,
-                retryable=True,
-            ) from failure
-        return head
+        return payload
 
 
-class _Exchange:
-    """What one request has seen so far: the status (once headers arrived), heartbeats."""
+class _Heard:
+    """What one request has heard so far: the status (once headers arrived), heartbeats."""
 
     def __init__(self, on_heartbeat: Callable[[], None] | None) -> None:
         self.status: int | None = None
         self.heartbeats = 0
         self._on_heartbeat = on_heartbeat
+
+    def on_head(self, head: h11.Response) -> None:
+        self.status = head.status_code
 
     def on_data(self, data: bytes) -> None:
         if not data.strip():
@@ -390,14 +316,38 @@ class _Exchange:
                 self._on_heartbeat()
 
 
-def _died(status: int, exchange: _Exchange, cause: Exception) -> RolloutError:
+def _body_failed(failure: BodyFailed, heard: _Heard) -> RolloutError:
+    if failure.too_large:
+        return RolloutError(
+            f"the response is over this client's max_response_bytes: {failure}",
+            origin=Origin.CLIENT,
+            retryable=False,
+            status=failure.status,
+        )
     return RolloutError(
-        f"the response body died after the headers arrived (HTTP {status}, "
-        f"{exchange.heartbeats} heartbeat(s) in): {cause}; not retried, because the host had "
+        f"the response body died after the headers arrived (HTTP {failure.status}, "
+        f"{heard.heartbeats} heartbeat(s) in): {failure}; not retried, because the host had "
         "already started these examples and a second copy would run them twice",
         origin=Origin.PROXY,
         retryable=False,
-        status=status,
+        status=failure.status,
+    )
+
+
+def _deadline_passed(waited: float, endpoint: Endpoint, heard: _Heard) -> RolloutError:
+    if heard.status is None:
+        return RolloutError(
+            f"no response headers from {endpoint.authority} within {waited:g} s",
+            origin=Origin.PROXY,
+            retryable=True,
+        )
+    return RolloutError(
+        f"no complete answer within {waited:g} s (request_deadline_s) although the host kept "
+        f"sending ({heard.heartbeats} heartbeat(s)); its own deadline should have ended the "
+        "batch first: check its NMP_ROLLOUT_DEADLINE_S",
+        origin=Origin.SANDBOX,
+        retryable=False,
+        status=heard.status,
     )
 
 
