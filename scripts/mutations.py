@@ -88,7 +88,7 @@ MUTATIONS = [
     ),
     Mutation(
         "end-of-file taken as a departure (half-closed callers lose their answer)",
-        "trio_gym/host/rollouts.py",
+        "trio_gym/host/supervision.py",
         "    await conn.wait_until_peer_stops_sending()\n    if body is None:",
         "    await conn.wait_until_peer_stops_sending()\n"
         '    raise ConnectionLost("eof")\n'
@@ -100,14 +100,14 @@ MUTATIONS = [
     ),
     Mutation(
         "no caller watcher (only heartbeats notice a departure)",
-        "trio_gym/host/rollouts.py",
-        "            nursery.start_soon(_watch_caller, conn, body)\n",
+        "trio_gym/host/supervision.py",
+        "            nursery.start_soon(_watch_caller, conn, body, heartbeat)\n",
         "",
         ("tests/test_host_wire.py::test_a_caller_that_leaves_mid_batch_cancels_every_example",),
     ),
     Mutation(
         "shutdown does not cancel in-flight batches",
-        "trio_gym/host/rollouts.py",
+        "trio_gym/host/supervision.py",
         "            nursery.start_soon(_cancel_on_shutdown, host, examples_scope)\n",
         "",
         (
@@ -117,7 +117,7 @@ MUTATIONS = [
     ),
     Mutation(
         "the deadline does not apply",
-        "trio_gym/host/rollouts.py",
+        "trio_gym/host/supervision.py",
         "examples_scope = trio.CancelScope(deadline=trio.current_time() + deadline_s)",
         "examples_scope = trio.CancelScope()",
         (
@@ -128,8 +128,8 @@ MUTATIONS = [
     Mutation(
         "results in completion order",
         "trio_gym/host/batch.py",
-        "    results[context.index] = carry_identity(example, result)",
-        "    results[results.index(None)] = carry_identity(example, result)",
+        "        results[index] = await run_example(runner, example, context, stats)",
+        "        results[results.index(None)] = await run_example(runner, example, context, stats)",
         ("tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys",),
     ),
     Mutation(
@@ -302,8 +302,8 @@ MUTATIONS = [
     Mutation(
         "readiness checked only after reading the body",
         "trio_gym/host/rollouts.py",
-        "    host.check_accepting()\n    body = await read_body(",
-        "    body = await read_body(",
+        "    host.check_accepting()\n    rows = wants_rows(head)",
+        "    rows = wants_rows(head)",
         ("tests/test_host_clock.py::test_the_host_is_checked_ready_before_the_body_is_read",),
     ),
     Mutation(

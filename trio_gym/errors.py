@@ -24,6 +24,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_REQUEST = "invalid_request"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    NOT_ACCEPTABLE = "not_acceptable"
     REQUEST_TIMEOUT = "request_timeout"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     HEADERS_TOO_LARGE = "headers_too_large"
@@ -44,6 +45,7 @@ DEFAULT_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INVALID_REQUEST: 400,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.NOT_ACCEPTABLE: 406,
     ErrorCode.REQUEST_TIMEOUT: 408,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.HEADERS_TOO_LARGE: 431,

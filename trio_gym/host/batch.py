@@ -86,24 +86,27 @@ async def run_examples(
     """Run every example at once; return the results in input order.
 
     Raises an ``ExceptionGroup`` of :class:`ExampleFailed` if a runner failed (every other
-    example is then cancelled). Cancelling the caller cancels every example; each example's end
-    is counted in ``stats`` as completed, failed or cancelled.
+    example is then cancelled). Cancelling the caller cancels every example.
     """
     results: list[Any] = [None] * len(examples)
+
+    async def run_into_place(index: int, example: Mapping[str, Any]) -> None:
+        context = ExampleContext(batch_id=batch_id, index=index)
+        results[index] = await run_example(runner, example, context, stats)
+
     async with trio.open_nursery() as nursery:
         for index, example in enumerate(examples):
-            context = ExampleContext(batch_id=batch_id, index=index)
-            nursery.start_soon(_run_example, runner, example, context, results, stats)
+            nursery.start_soon(run_into_place, index, example)
     return results
 
 
-async def _run_example(
-    runner: Runner,
-    example: Mapping[str, Any],
-    context: ExampleContext,
-    results: list[Any],
-    stats: HostStats,
-) -> None:
+async def run_example(
+    runner: Runner, example: Mapping[str, Any], context: ExampleContext, stats: HostStats
+) -> Any:
+    """Run one example; count how it ended; return its result with the identity keys carried.
+
+    Raises :class:`ExampleFailed` wrapping a runner's failure.
+    """
     stats.examples_started += 1
     # Counted in `finally`: a runner with a nursery of its own ends a cancellation with a group
     # of Cancelled, which `except trio.Cancelled` would not see.
@@ -116,7 +119,7 @@ async def _run_example(
         raise ExampleFailed(context.index, exc) from exc
     finally:
         stats.count_end(outcome)
-    results[context.index] = carry_identity(example, result)
+    return carry_identity(example, result)
 
 
 def carry_identity(example: Mapping[str, Any], result: Any) -> Any:
@@ -135,22 +138,26 @@ def carry_identity(example: Mapping[str, Any], result: Any) -> Any:
     return {**result, **missing} if missing else result
 
 
-def internal_error(failures: Sequence[ExampleFailed]) -> WireError:
-    """The ``internal`` error for the first failed example, with a bounded traceback."""
-    first = min(failures, key=lambda failure: failure.index)
-    error = first.error
+def describe_failure(failure: ExampleFailed, note: str = "") -> str:
+    """ "example i failed: Type: message", ``note``, the innermost frames; each part bounded."""
+    error = failure.error
     headline = f"{type(error).__name__}: {error}"
     if len(headline) > HEADLINE_CHARS:
         headline = f"{headline[:HEADLINE_CHARS]}... ({len(headline)} characters)"
     frames = "".join(traceback.format_tb(error.__traceback__, limit=-TRACEBACK_FRAMES))
     if len(frames) > TRACEBACK_CHARS:
         frames = "...\n" + frames[-TRACEBACK_CHARS:]
-    others = f" ({len(failures) - 1} other example(s) failed too)" if len(failures) > 1 else ""
-    return WireError(
-        ErrorCode.INTERNAL,
-        f"example {first.index} failed: {headline}{others}\n"
-        f"Traceback (innermost {TRACEBACK_FRAMES} frames at most):\n{frames}",
+    return (
+        f"example {failure.index} failed: {headline}{note}\n"
+        f"Traceback (innermost {TRACEBACK_FRAMES} frames at most):\n{frames}"
     )
+
+
+def internal_error(failures: Sequence[ExampleFailed]) -> WireError:
+    """The ``internal`` error of a batch: its first failed example, and how many others."""
+    first = min(failures, key=lambda failure: failure.index)
+    others = f" ({len(failures) - 1} other example(s) failed too)" if len(failures) > 1 else ""
+    return WireError(ErrorCode.INTERNAL, describe_failure(first, others))
 
 
 @attrs.frozen

@@ -1,19 +1,8 @@
-"""``POST /rollouts/run`` (DESIGN §3.3): validate, run the batch under supervision, answer.
+"""``POST /rollouts/run`` (DESIGN §3.3): refuse early, validate, run under supervision, answer.
 
-The batch runs in one nursery beside
-
-- a heartbeat: one single-space chunk every ``heartbeat_interval_s`` (HTTP/1.1 only), so
-  proxies see bytes long before the batch ends, and a write to a departed caller fails;
-- a caller watcher: a reset means the caller is gone; an end-of-file may be a half-close (the
-  caller shut down its writing side and still reads), so it is probed with two heartbeats a
-  round trip apart: a peer that is really gone answers the first with a reset and fails the
-  second;
-- a shutdown watcher: when the host stops, the batch is cancelled and answered
-  ``shutting_down``.
-
-When the caller is gone, the nursery is cancelled and with it every running example; nothing
-is left running. The deadline is a cancel scope around the examples alone, so a batch that
-outlives it is cancelled and still answered (``deadline_exceeded``).
+Two answers: one JSON document (the default; HTTP/1.1 chunked with single-space heartbeats, or
+HTTP/1.0 buffered), or, with ``Accept: application/x-ndjson``, a per-row stream (:mod:`.rows`).
+The supervision both share is in :mod:`.supervision`.
 """
 
 from __future__ import annotations
@@ -51,13 +40,13 @@ from .batch import (
     internal_error,
     run_examples,
 )
+from .rows import NDJSON, answer_with_rows
 from .state import Host, new_batch_id
+from .supervision import supervise
 
+JSON: Final = "application/json"
+# A document's heartbeat: JSON whitespace, so heartbeats plus the document parse as one value.
 HEARTBEAT: Final = b" "
-# Two probe writes this far apart tell a half-closed caller from a departed one when the round
-# trip is shorter (loopback and in-region links are well under it); for longer round trips the
-# next heartbeat write notices instead, within one more interval.
-PROBE_DELAY_S: Final = 0.2
 
 # Bodies above this are parsed and checked in a worker thread: a 59 MB body takes about 4 s of
 # CPU, which would stall every other connection's heartbeats and /health. Below it a thread hop
@@ -136,14 +125,29 @@ class Answer:
         return cls([encode_json(error.envelope())], error.status, error.code)
 
 
+def wants_rows(head: h11.Request) -> bool:
+    """True if the caller asked for the per-row NDJSON stream (``Accept: application/x-ndjson``)."""
+    accept = b",".join(value for name, value in head.headers if name == b"accept")
+    return any(
+        part.split(b";")[0].strip().lower() == NDJSON.encode() for part in accept.split(b",")
+    )
+
+
 async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -> None:
     """Answer one ``POST /rollouts/run``.
 
-    Refusals before the status line (503, 400, 408, 413) are raised as :class:`WireError` for
-    the caller to send; once the status line has left, every failure goes into the document.
+    Refusals before the status line (503, 400, 406, 408, 413) are raised as :class:`WireError`
+    for the caller to send; once the status line has left, every failure goes into the answer.
     Returns quietly if the caller left (the batch is logged ``abandoned``).
     """
     host.check_accepting()
+    rows = wants_rows(head)
+    if rows and conn.their_http_version != b"1.1":
+        raise WireError(
+            ErrorCode.NOT_ACCEPTABLE,
+            f"{NDJSON} is a stream and needs HTTP/1.1 chunked framing; send HTTP/1.1, or ask for "
+            "application/json",
+        )
     body = await read_body(
         conn,
         head,
@@ -163,18 +167,22 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
     batch.advance(
         BatchState.RUNNING,
         http_version=(conn.their_http_version or b"").decode(),
+        mode="rows" if rows else "document",
         deadline_s=deadline_s,
     )
     host.stats.batches_running += 1
     try:
-        await _run_and_answer(host, conn, batch, request.examples, deadline_s)
+        if rows:
+            await answer_with_rows(host, conn, batch, request.examples, deadline_s)
+        else:
+            await _answer_with_document(host, conn, batch, request.examples, deadline_s)
     except ConnectionLost as exc:
         batch.advance(BatchState.ABANDONED, reason=str(exc))
     finally:
         host.stats.batches_running -= 1
 
 
-async def _run_and_answer(
+async def _answer_with_document(
     host: Host,
     conn: HttpConnection,
     batch: Batch,
@@ -182,91 +190,47 @@ async def _run_and_answer(
     deadline_s: float,
 ) -> None:
     """HTTP/1.1: the status line now, heartbeats while the batch runs, the document as chunks.
-    HTTP/1.0 has no chunked framing, hence no heartbeats: one answer behind Content-Length."""
+    HTTP/1.0 has no chunked framing, hence no heartbeats: one answer behind Content-Length.
+    One failed example fails the batch (``internal``) and cancels its siblings."""
     body = None
     if conn.their_http_version == b"1.1":
-        body = await ChunkedBody.start(conn, 200, content_type="application/json")
-    answer = await _supervise(host, conn, examples, batch.id, deadline_s, body)
+        body = await ChunkedBody.start(conn, 200, content_type=JSON)
+    results: list[Any] = []
+    failures: list[ExampleFailed] = []
+
+    async def work() -> None:
+        nonlocal results, failures
+        try:
+            results = await run_examples(host.runner, examples, batch.id, host.stats)
+        except* ExampleFailed as group:
+            failures = leaves(group)
+
+    stopped = await supervise(
+        host,
+        conn,
+        body,
+        heartbeat=HEARTBEAT,
+        deadline_s=deadline_s,
+        examples_count=len(examples),
+        work=work,
+    )
+    if failures:
+        answer = Answer.failure(internal_error(failures))
+    elif stopped is not None:
+        answer = Answer.failure(stopped)
+    else:
+        answer = await _document(host, results)
     if answer.error is None:
         batch.advance(BatchState.ANSWERING)
     else:
         batch.advance(BatchState.FAILING, code=answer.error.value)
     if body is None:
-        document = b"".join(answer.pieces)
-        await send_body(conn, answer.status, document, content_type="application/json")
+        await send_body(conn, answer.status, b"".join(answer.pieces), content_type=JSON)
     else:
         for run in coalesce(answer.pieces):
             await body.send(run)
         await body.finish()
     batch.advance(BatchState.DONE if answer.error is None else BatchState.FAILED)
-
-
-async def _supervise(
-    host: Host,
-    conn: HttpConnection,
-    examples: Sequence[dict[str, Any]],
-    batch_id: str,
-    deadline_s: float,
-    body: ChunkedBody | None,
-) -> Answer:
-    """Run the batch beside its heartbeat and watchers.
-
-    Returns the answer to send. Raises :class:`ConnectionLost` if the caller left, after every
-    example was cancelled.
-    """
-    if not examples:
-        return await _document(host, [])
-    examples_scope = trio.CancelScope(deadline=trio.current_time() + deadline_s)
-    caller_lost: ConnectionLost | None = None
-    answer = Answer([])
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_caller, conn, body)
-            nursery.start_soon(_cancel_on_shutdown, host, examples_scope)
-            if body is not None:
-                nursery.start_soon(_send_heartbeats, body, host.config.heartbeat_interval_s)
-            answer = await _run(host, examples, batch_id, examples_scope, deadline_s)
-            nursery.cancel_scope.cancel()
-    except* ConnectionLost as group:
-        caller_lost = leaves(group)[0]
-    if caller_lost is not None:
-        raise caller_lost
-    return answer
-
-
-async def _run(
-    host: Host,
-    examples: Sequence[dict[str, Any]],
-    batch_id: str,
-    examples_scope: trio.CancelScope,
-    deadline_s: float,
-) -> Answer:
-    failures: list[ExampleFailed] = []
-    results: list[Any] = []
-    with examples_scope:
-        try:
-            results = await run_examples(host.runner, examples, batch_id, host.stats)
-        except* ExampleFailed as group:
-            failures = leaves(group)
-    if failures:
-        return Answer.failure(internal_error(failures))
-    if examples_scope.cancelled_caught:
-        if host.shutdown_requested.is_set():
-            return Answer.failure(
-                WireError(
-                    ErrorCode.SHUTTING_DOWN,
-                    "the host is shutting down; every example of this batch was cancelled",
-                )
-            )
-        return Answer.failure(
-            WireError(
-                ErrorCode.DEADLINE_EXCEEDED,
-                f"the batch of {len(examples)} examples outlived its deadline of {deadline_s:g} s "
-                "and its unfinished examples were cancelled; send fewer or shorter examples per "
-                "request, or a larger deadline_s (capped by NMP_ROLLOUT_DEADLINE_S)",
-            )
-        )
-    return await _document(host, results)
 
 
 async def _document(host: Host, results: list[Any]) -> Answer:
@@ -275,32 +239,7 @@ async def _document(host: Host, results: list[Any]) -> Answer:
         environment_path=host.config.environment_path,
         work_path=host.config.work_path,
     )
-    limit = host.config.max_response_bytes
     try:
-        return Answer(await encode_results(results, info, limit))
+        return Answer(await encode_results(results, info, host.config.max_response_bytes))
     except WireError as error:
         return Answer.failure(error)
-
-
-async def _send_heartbeats(body: ChunkedBody, interval_s: float) -> None:
-    while True:
-        await trio.sleep(interval_s)
-        await body.send(HEARTBEAT)
-
-
-async def _watch_caller(conn: HttpConnection, body: ChunkedBody | None) -> None:
-    """Raise :class:`ConnectionLost` once the caller is known to be gone; return when nothing
-    more can be learned by watching."""
-    await conn.wait_until_peer_stops_sending()
-    if body is None:
-        # HTTP/1.0: no byte may be written before the answer, so a half-closed caller and a
-        # departed one cannot be told apart; a reset is still noticed, the deadline bounds the rest.
-        return
-    await body.send(HEARTBEAT)
-    await trio.sleep(PROBE_DELAY_S)
-    await body.send(HEARTBEAT)
-
-
-async def _cancel_on_shutdown(host: Host, examples_scope: trio.CancelScope) -> None:
-    await host.shutdown_requested.wait()
-    examples_scope.cancel()

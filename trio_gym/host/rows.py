@@ -1,0 +1,106 @@
+"""The per-row answer (DESIGN §3.3 "Per-row streaming"): one NDJSON line per finished example.
+
+``200``, ``Content-Type: application/x-ndjson``, chunked. While the batch runs, an empty line is
+the heartbeat. Each example that finishes sends its own line at once, in completion order:
+``{"index": i, "result": {...}}``, or a *sidecar row* ``{"index": i, "error": {code, message}}``
+when that example failed — one example's failure never ends the stream and cancels nothing
+else. The last line is ``{"done": true, "completed": n, "failed": m}``, or
+``{"done": true, "error": {...}}`` when the batch as a whole was stopped (deadline, shutdown);
+examples without a line did not finish. A caller that stops reading stalls the next line's
+write, is given up after ``send_timeout_s``, and every example still running is cancelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+import trio
+
+from trio_gym.errors import ErrorCode, WireError
+from trio_gym.http import ChunkedBody, HttpConnection, encode_json
+from trio_gym.runners import ExampleContext
+
+from .batch import Batch, BatchState, ExampleFailed, describe_failure, run_example
+from .state import Host
+from .supervision import supervise
+
+NDJSON: Final = "application/x-ndjson"
+# A stream's heartbeat: an empty line, which every NDJSON reader skips.
+ROW_HEARTBEAT: Final = b"\n"
+
+
+def row_line(index: int, result: Any, max_bytes: int) -> tuple[bytes, bool]:
+    """The line for a finished example, and whether it is a result (not a sidecar row).
+
+    A result that is not JSON, or whose line would exceed ``max_bytes``, becomes a sidecar row
+    that says so: the stream goes on.
+    """
+    try:
+        line = encode_json({"index": index, "result": result})
+    except (TypeError, ValueError) as exc:
+        error = WireError(ErrorCode.INTERNAL, f"the result of example {index} is not JSON: {exc}")
+        return sidecar_line(index, error), False
+    if len(line) > max_bytes:
+        error = WireError(
+            ErrorCode.PAYLOAD_TOO_LARGE,
+            f"the result of example {index} is {len(line)} bytes, over max_response_bytes="
+            f"{max_bytes} (NMP_MAX_RESPONSE_BYTES)",
+        )
+        return sidecar_line(index, error), False
+    return line + b"\n", True
+
+
+def sidecar_line(index: int, error: WireError) -> bytes:
+    return encode_json({"index": index, **error.envelope()}) + b"\n"
+
+
+async def answer_with_rows(
+    host: Host,
+    conn: HttpConnection,
+    batch: Batch,
+    examples: Sequence[dict[str, Any]],
+    deadline_s: float,
+) -> None:
+    """Stream one line per finished example, then the ``done`` line.
+
+    Raises :class:`~trio_gym.http.ConnectionLost` if the caller left or stopped reading.
+    """
+    body = await ChunkedBody.start(conn, 200, content_type=NDJSON)
+    counts = {"completed": 0, "failed": 0}
+    limit = host.config.max_response_bytes
+
+    async def run_one(index: int, example: dict[str, Any]) -> None:
+        context = ExampleContext(batch_id=batch.id, index=index)
+        try:
+            result = await run_example(host.runner, example, context, host.stats)
+        except ExampleFailed as failure:
+            error = WireError(ErrorCode.INTERNAL, describe_failure(failure))
+            line, ok = sidecar_line(index, error), False
+        else:
+            line, ok = row_line(index, result, limit)
+        counts["completed" if ok else "failed"] += 1
+        await body.send(line)
+
+    async def work() -> None:
+        async with trio.open_nursery() as nursery:
+            for index, example in enumerate(examples):
+                nursery.start_soon(run_one, index, example)
+
+    stopped = await supervise(
+        host,
+        conn,
+        body,
+        heartbeat=ROW_HEARTBEAT,
+        deadline_s=deadline_s,
+        examples_count=len(examples),
+        work=work,
+    )
+    if stopped is None:
+        batch.advance(BatchState.ANSWERING, **counts)
+        await body.send(encode_json({"done": True, **counts}) + b"\n")
+    else:
+        batch.advance(BatchState.FAILING, code=stopped.code.value, **counts)
+        await body.send(encode_json({"done": True, **stopped.envelope()}) + b"\n")
+    await body.finish()
+    batch.advance(BatchState.DONE if stopped is None else BatchState.FAILED)

@@ -1,0 +1,106 @@
+"""Running a batch's examples under supervision: heartbeat, caller watcher, shutdown, deadline.
+
+The examples run in one nursery beside
+
+- a heartbeat: a chunk every ``heartbeat_interval_s`` (HTTP/1.1 only), so proxies see bytes
+  long before the batch ends, and a write to a departed caller fails;
+- a caller watcher: a reset means the caller is gone; an end-of-file may be a half-close (the
+  caller shut down its writing side and still reads), so it is probed with two heartbeats a
+  round trip apart: a peer that is really gone answers the first with a reset and fails the
+  second;
+- a shutdown watcher: when the host stops, the examples are cancelled and the batch is answered
+  ``shutting_down``.
+
+When the caller is gone, the nursery is cancelled and with it every running example; nothing is
+left running. The deadline is a cancel scope around the examples alone, so a batch that
+outlives it is cancelled and still answered (``deadline_exceeded``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+import trio
+
+from trio_gym.errors import ErrorCode, WireError, leaves
+from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection
+
+from .state import Host
+
+# Two probe writes this far apart tell a half-closed caller from a departed one when the round
+# trip is shorter (loopback and in-region links are well under it); for longer round trips the
+# next heartbeat write notices instead, within one more interval.
+PROBE_DELAY_S: Final = 0.2
+
+
+async def supervise(
+    host: Host,
+    conn: HttpConnection,
+    body: ChunkedBody | None,
+    *,
+    heartbeat: bytes,
+    deadline_s: float,
+    examples_count: int,
+    work: Callable[[], Awaitable[None]],
+) -> WireError | None:
+    """Run ``work`` (the examples) beside the heartbeat and the watchers.
+
+    ``body`` is the started chunked answer (``None`` for HTTP/1.0: no heartbeat, no probes).
+    Returns ``None`` when ``work`` finished, or the ``deadline_exceeded`` / ``shutting_down``
+    error that stopped it. Raises :class:`ConnectionLost` if the caller left, after every
+    example was cancelled.
+    """
+    examples_scope = trio.CancelScope(deadline=trio.current_time() + deadline_s)
+    caller_lost: ConnectionLost | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_caller, conn, body, heartbeat)
+            nursery.start_soon(_cancel_on_shutdown, host, examples_scope)
+            if body is not None:
+                interval = host.config.heartbeat_interval_s
+                nursery.start_soon(_send_heartbeats, body, heartbeat, interval)
+            with examples_scope:
+                await work()
+            nursery.cancel_scope.cancel()
+    except* ConnectionLost as group:
+        caller_lost = leaves(group)[0]
+    if caller_lost is not None:
+        raise caller_lost
+    if not examples_scope.cancelled_caught:
+        return None
+    if host.shutdown_requested.is_set():
+        return WireError(
+            ErrorCode.SHUTTING_DOWN,
+            "the host is shutting down; every unfinished example of this batch was cancelled",
+        )
+    return WireError(
+        ErrorCode.DEADLINE_EXCEEDED,
+        f"the batch of {examples_count} examples outlived its deadline of {deadline_s:g} s and "
+        "its unfinished examples were cancelled; send fewer or shorter examples per request, "
+        "or a larger deadline_s (capped by NMP_ROLLOUT_DEADLINE_S)",
+    )
+
+
+async def _send_heartbeats(body: ChunkedBody, heartbeat: bytes, interval_s: float) -> None:
+    while True:
+        await trio.sleep(interval_s)
+        await body.send(heartbeat)
+
+
+async def _watch_caller(conn: HttpConnection, body: ChunkedBody | None, heartbeat: bytes) -> None:
+    """Raise :class:`ConnectionLost` once the caller is known to be gone; return when nothing
+    more can be learned by watching."""
+    await conn.wait_until_peer_stops_sending()
+    if body is None:
+        # HTTP/1.0: no byte may be written before the answer, so a half-closed caller and a
+        # departed one cannot be told apart; a reset is still noticed, the deadline bounds the rest.
+        return
+    await body.send(heartbeat)
+    await trio.sleep(PROBE_DELAY_S)
+    await body.send(heartbeat)
+
+
+async def _cancel_on_shutdown(host: Host, examples_scope: trio.CancelScope) -> None:
+    await host.shutdown_requested.wait()
+    examples_scope.cancel()
