@@ -253,7 +253,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a flat proxy envelope read as the host's",
-        "trio_gym/trainer/client.py",
+        "trio_gym/trainer/errors.py",
         'if isinstance(document, dict) and {"code", "message"} <= set(document):',
         "if False:",
         ("tests/test_client.py::test_each_failure_is_attributed",),
@@ -278,7 +278,7 @@ MUTATIONS = [
         "        with trio.move_on_after(self.settings.request_deadline_s):",
         "        with trio.move_on_after(math.inf):",
         ("tests/test_client.py::test_the_client_deadline_bounds_a_host_that_heartbeats_forever",),
-        also=(("trio_gym/trainer/client.py", "import json\n", "import json\nimport math\n"),),
+        also=(("trio_gym/trainer/client.py", "import attrs\n", "import math\n\nimport attrs\n"),),
     ),
     Mutation(
         "the client uploads first and reads after (an early 413 dies with the upload)",
@@ -374,6 +374,34 @@ MUTATIONS = [
         "if _CREDENTIAL_NAME.search(name) or _CREDENTIAL_VALUE.search(value):",
         "if _CREDENTIAL_NAME.search(name):",
         ("tests/test_config.py::test_host_env_values_that_are_credentials_are_refused",),
+    ),
+    Mutation(
+        "a stream cut before its done line taken as complete",
+        "trio_gym/trainer/stream.py",
+        '                raise self._cut("the stream ended without its done line")',
+        "                raise StopAsyncIteration",
+        (
+            "tests/test_client_stream.py::test_a_stream_cut_before_its_done_line_is_a_proxy_failure_not_retried",
+        ),
+    ),
+    Mutation(
+        "a failed example ends the row stream (cancelling its siblings)",
+        "trio_gym/host/rows.py",
+        "        except ExampleFailed as failure:\n"
+        "            error = WireError(ErrorCode.INTERNAL, describe_failure(failure))",
+        "        except ExampleFailed as failure:\n"
+        "            raise\n"
+        "            error = WireError(ErrorCode.INTERNAL, describe_failure(failure))",
+        ("tests/test_rows.py::test_a_failed_example_is_a_sidecar_row_and_the_stream_goes_on",),
+    ),
+    Mutation(
+        "rows held back until the batch ends (not in completion order as they finish)",
+        "trio_gym/host/rows.py",
+        '        counts["completed" if ok else "failed"] += 1\n        await body.send(line)',
+        '        counts["completed" if ok else "failed"] += 1\n'
+        "        await trio.sleep_until(trio.current_time() + 1000)\n"
+        "        await body.send(line)",
+        ("tests/test_rows.py::test_rows_come_in_completion_order_with_empty_line_heartbeats",),
     ),
     Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",

@@ -12,7 +12,8 @@ from typing import Any, TextIO
 
 import trio
 
-from trio_gym.trainer.client import ClientSettings, RolloutClient, RolloutError
+from trio_gym.trainer.client import ClientSettings, RolloutClient
+from trio_gym.trainer.errors import RolloutError
 
 
 class ExamplesFileError(ValueError):

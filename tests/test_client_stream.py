@@ -1,0 +1,115 @@
+"""`client.stream(examples)`: rows as they finish, sidecar errors, the done line, cut streams."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from tests.canned import CannedHost, chunked_response, respond
+from tests.helpers import CountingRunner
+from tests.test_client import URL, in_memory
+from trio_gym.config import ServeConfig
+from trio_gym.host import Host
+from trio_gym.trainer import Origin, RolloutClient, RolloutError, Row, StreamSummary
+
+
+async def collect(client: RolloutClient, examples: list[dict[str, Any]]) -> tuple[list[Row], Any]:
+    rows = []
+    async with client.stream(examples) as stream:
+        async for row in stream:
+            rows.append((trio.current_time(), row))
+    return rows, stream
+
+
+async def test_rows_arrive_in_completion_order_with_a_summary(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    host = Host(ServeConfig(port=0, heartbeat_interval_s=10), runner=CountingRunner())
+    examples = [
+        {"seed": i, "meetings": 2, "think_s": 30 - 10 * i, "_ng_task_index": i} for i in range(3)
+    ]
+    async with trio.open_nursery() as nursery:
+        client = RolloutClient(URL, opener=in_memory(nursery, host))
+        start = trio.current_time()
+        rows, stream = await collect(client, examples)
+    assert [(at - start, row.index) for at, row in rows] == [(20, 2), (40, 1), (60, 0)]
+    assert all(row.ok and row.result["_ng_task_index"] == row.index for _, row in rows)
+    assert stream.summary == StreamSummary(completed=3, failed=0)
+    assert stream.heartbeats in (5, 6)  # empty lines at 10, ..., 50 s; 60 ties with the end
+    assert stream.missing == []
+
+
+async def test_a_failed_example_is_a_row_with_an_error(autojump_clock: trio.abc.Clock) -> None:
+    host = Host(ServeConfig(port=0), runner=CountingRunner())
+    examples = [{"seed": 0, "think_s": 5}, {"seed": 1, "fail_at_step": 0}]
+    async with trio.open_nursery() as nursery:
+        rows, stream = await collect(RolloutClient(URL, opener=in_memory(nursery, host)), examples)
+    failed = next(row for _, row in rows if row.index == 1)
+    assert not failed.ok and failed.error is not None and failed.error.code == "internal"
+    assert stream.summary == StreamSummary(completed=1, failed=1)
+
+
+async def test_a_deadline_ends_the_stream_with_a_sandbox_error_after_the_rows(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    host = Host(ServeConfig(port=0, rollout_deadline_s=50), runner=CountingRunner())
+    examples = [{"seed": 0, "think_s": 1}, {"seed": 1, "think_s": 100}]
+    seen = []
+    async with trio.open_nursery() as nursery:
+        client = RolloutClient(URL, opener=in_memory(nursery, host))
+        with pytest.raises(RolloutError) as failure:
+            async with client.stream(examples) as stream:
+                async for row in stream:
+                    seen.append(row.index)
+    assert seen == [0]
+    assert failure.value.origin is Origin.SANDBOX and failure.value.code == "deadline_exceeded"
+    assert stream.missing == [1]
+
+
+@pytest.mark.parametrize("framed_end", [False, True], ids=["cut-mid-body", "ended-without-done"])
+async def test_a_stream_cut_before_its_done_line_is_a_proxy_failure_not_retried(
+    framed_end: bool,
+) -> None:
+    cut = chunked_response(b"\n", b'{"index": 0, "result": {"ok": true}}\n', end=framed_end)
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [respond(cut)])
+        client = RolloutClient(URL, opener=canned.open)
+        seen = []
+        with pytest.raises(RolloutError) as failure:
+            async for row in client.stream([{"a": 1}, {"a": 2}]):
+                seen.append(row.index)
+    assert seen == [0]
+    assert failure.value.origin is Origin.PROXY and not failure.value.retryable
+    assert "1 of 2 example(s) got no row" in failure.value.message
+
+
+async def test_a_refusal_is_classified_like_a_document() -> None:
+    async with trio.open_nursery() as nursery:
+        host = Host(ServeConfig(port=0))  # never started: 503 not_ready
+        client = RolloutClient(URL, opener=in_memory(nursery, host))
+        with pytest.raises(RolloutError) as failure:
+            await collect(client, [{"seed": 1}])
+    assert failure.value.origin is Origin.SANDBOX and failure.value.code == "not_ready"
+
+
+async def test_leaving_the_stream_early_cancels_the_rest_on_the_host(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    host = Host(ServeConfig(port=0), runner=runner)
+    examples = [
+        {"seed": 0, "think_s": 1},
+        {"seed": 1, "think_s": 1000},
+        {"seed": 2, "think_s": 1000},
+    ]
+    async with trio.open_nursery() as nursery:
+        client = RolloutClient(URL, opener=in_memory(nursery, host))
+        async with client.stream(examples) as stream:
+            async for row in stream:
+                assert row.index == 0
+                break
+        with trio.fail_after(100):
+            await runner.wait_for(lambda r: len(r.cancelled) == 2)
+    assert sorted(index for index, _ in runner.cancelled) == [1, 2]

@@ -1,0 +1,248 @@
+"""Reading a host's per-row NDJSON answer as it arrives: ``async for row in client.stream(...)``.
+
+Each :class:`Row` is one finished example, in completion order: a result, or a sidecar error
+for that example alone. The stream ends at the host's ``done`` line (:attr:`RowStream.summary`);
+a batch-level failure there (deadline, shutdown) is raised as a ``sandbox``
+:class:`RolloutError` after the rows that did arrive. A stream that ends *without* its done line
+was cut: a ``proxy`` error naming how many examples never got a row, and not retryable (the host
+already ran them). Examples with no row did not finish; :attr:`RowStream.missing` lists them.
+
+Use it as ``async with client.stream(examples) as rows: async for row in rows: ...`` so the
+connection is closed however the loop ends; a plain ``async for`` closes it when the stream is
+exhausted or fails, and leaving such a loop early needs ``await rows.aclose()``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import h11
+import trio
+
+from trio_gym.http import BodyFailed, ClientExchange, NoResponse
+from trio_gym.trainer.errors import Origin, RolloutError, decode_response
+
+if TYPE_CHECKING:
+    from trio_gym.trainer.client import RolloutClient
+
+NDJSON = "application/x-ndjson"
+
+
+@attrs.frozen
+class RowError:
+    code: str
+    message: str
+
+
+@attrs.frozen
+class Row:
+    """One finished example: ``result``, or ``error`` when that example failed."""
+
+    index: int
+    result: Any = None
+    error: RowError | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@attrs.frozen
+class StreamSummary:
+    completed: int
+    failed: int
+
+
+class RowStream:
+    """One ``POST /rollouts/run`` answered row by row; an async iterator of :class:`Row`."""
+
+    def __init__(self, client: RolloutClient, examples: Sequence[Mapping[str, Any]]) -> None:
+        if not examples:
+            raise ValueError("an empty batch has nothing to stream; pass at least one example")
+        self._client = client
+        self._examples = examples
+        self._exchange: ClientExchange | None = None
+        self._head: h11.Response | None = None
+        self._buffer = b""
+        self._deadline = 0.0
+        self._finished = False
+        self.seen: set[int] = set()
+        self.heartbeats = 0
+        self.summary: StreamSummary | None = None
+
+    @property
+    def missing(self) -> list[int]:
+        """Indices of the examples that have no row (yet)."""
+        return [index for index in range(len(self._examples)) if index not in self.seen]
+
+    async def __aenter__(self) -> RowStream:
+        started = False
+        try:
+            await self._start()
+            started = True
+        finally:
+            if not started:
+                await self.aclose()  # __aexit__ does not run when __aenter__ raises
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> RowStream:
+        return self
+
+    async def __anext__(self) -> Row:
+        if self._finished:
+            raise StopAsyncIteration
+        row: Row | None = None
+        try:
+            if self._exchange is None:
+                await self._start()
+            row = await self._next_row()
+        finally:
+            if row is None:  # exhausted, failed or cancelled: the connection is done with
+                await self.aclose()
+        return row
+
+    async def aclose(self) -> None:
+        """Close the connection (the host cancels what it still runs). Idempotent."""
+        self._finished = True
+        if self._exchange is not None:
+            await self._exchange.conn.aclose()
+
+    async def _start(self) -> None:
+        client = self._client
+        self._deadline = trio.current_time() + client.settings.request_deadline_s
+        payload = client.encode_request(self._examples)
+        with trio.move_on_at(self._deadline):
+            try:
+                self._exchange = await ClientExchange.open(
+                    client.endpoint, client.limits, opener=client.opener
+                )
+                self._head = await self._exchange.send(
+                    "POST",
+                    "/rollouts/run",
+                    payload,
+                    headers=[("content-type", "application/json"), ("accept", NDJSON)],
+                )
+            except NoResponse as exc:
+                raise RolloutError(str(exc), origin=Origin.PROXY, retryable=True) from exc
+            if self._head.status_code != 200:
+                await self._refused(self._head)
+            return
+        raise RolloutError(
+            f"no response headers from {client.endpoint.authority} within "
+            f"{client.settings.request_deadline_s:g} s",
+            origin=Origin.PROXY,
+            retryable=True,
+        )
+
+    async def _refused(self, head: h11.Response) -> None:
+        """A non-200 answer is a whole document (a refusal); classify it as ``run`` would."""
+        assert self._exchange is not None
+        try:
+            body = await self._exchange.read_body(
+                head,
+                max_bytes=self._client.settings.max_response_bytes,
+                idle_timeout_s=self._client.settings.idle_timeout_s,
+            )
+        except BodyFailed as exc:
+            raise RolloutError(str(exc), origin=Origin.PROXY, retryable=False) from exc
+        decode_response(head.status_code, body)
+        raise RolloutError(
+            f"HTTP {head.status_code} with a results document instead of rows",
+            origin=Origin.SANDBOX,
+            retryable=False,
+            status=head.status_code,
+        )
+
+    async def _next_row(self) -> Row:
+        while True:
+            line, separator, rest = self._buffer.partition(b"\n")
+            if separator:
+                self._buffer = rest
+                if not line.strip():
+                    self.heartbeats += 1
+                    continue
+                return self._parse(line)
+            await self._read_more()
+
+    async def _read_more(self) -> None:
+        assert self._exchange is not None and self._head is not None
+        settings = self._client.settings
+        with trio.move_on_at(self._deadline):
+            try:
+                data = await self._exchange.next_data(
+                    self._head, idle_timeout_s=settings.idle_timeout_s
+                )
+            except BodyFailed as exc:
+                raise self._cut(str(exc)) from exc
+            if data is None:
+                raise self._cut("the stream ended without its done line")
+            self._buffer += data
+            return
+        waited = settings.request_deadline_s
+        raise self._cut(f"no done line within {waited:g} s (request_deadline_s)")
+
+    def _cut(self, what: str) -> RolloutError:
+        return RolloutError(
+            f"{what}; {len(self.missing)} of {len(self._examples)} example(s) got no row "
+            "(not retried: the host already started them)",
+            origin=Origin.PROXY,
+            retryable=False,
+            status=200,
+        )
+
+    def _parse(self, line: bytes) -> Row:
+        try:
+            document = json.loads(line)
+        except ValueError as exc:
+            raise self._contract(f"a line that is not JSON: {line[:200]!r}") from exc
+        if not isinstance(document, dict):
+            raise self._contract(f"a line that is not an object: {line[:200]!r}")
+        if document.get("done") is True:
+            self._end(document)
+        index = document.get("index")
+        if not isinstance(index, int) or not 0 <= index < len(self._examples):
+            raise self._contract(f"a row with an index out of range: {line[:200]!r}")
+        if index in self.seen:
+            raise self._contract(f"a second row for example {index}")
+        self.seen.add(index)
+        error = document.get("error")
+        if isinstance(error, dict):
+            return Row(index, error=RowError(str(error.get("code")), str(error.get("message"))))
+        if "result" not in document:
+            raise self._contract(f"a row with neither result nor error: {line[:200]!r}")
+        return Row(index, result=document["result"])
+
+    def _end(self, done: dict[str, Any]) -> None:
+        self._finished = True
+        error = done.get("error")
+        if isinstance(error, dict):
+            raise RolloutError(
+                f"the host stopped the batch: {error.get('code')}: {error.get('message')} "
+                f"({len(self.missing)} example(s) got no row)",
+                origin=Origin.SANDBOX,
+                retryable=False,
+                status=200,
+                code=str(error.get("code")),
+            )
+        self.summary = StreamSummary(int(done.get("completed", 0)), int(done.get("failed", 0)))
+        raise StopAsyncIteration
+
+    def _contract(self, what: str) -> RolloutError:
+        return RolloutError(
+            f"the host's row stream broke its contract: {what}",
+            origin=Origin.SANDBOX,
+            retryable=False,
+            status=200,
+        )
