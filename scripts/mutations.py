@@ -128,8 +128,10 @@ MUTATIONS = [
     Mutation(
         "results in completion order",
         "trio_gym/host/batch.py",
-        "        results[index] = await run_example(runner, example, context, stats)",
-        "        results[results.index(None)] = await run_example(runner, example, context, stats)",
+        "        results[index] = await run_example(host.runner, example, context, host.stats)",
+        "        results[results.index(None)] = await run_example(\n"
+        "            host.runner, example, context, host.stats\n"
+        "        )",
         ("tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys",),
     ),
     Mutation(
@@ -364,8 +366,8 @@ MUTATIONS = [
     Mutation(
         "shutdown waits for a hung runner import",
         "trio_gym/host/state.py",
-        "load_runner, self.config.runner, abandon_on_cancel=True",
-        "load_runner, self.config.runner, abandon_on_cancel=False",
+        "load_runner, self.config, abandon_on_cancel=True",
+        "load_runner, self.config, abandon_on_cancel=False",
         ("tests/test_cli.py::test_a_signal_during_a_hung_runner_import_still_exits",),
     ),
     Mutation(
@@ -402,6 +404,50 @@ MUTATIONS = [
         "        await trio.sleep_until(trio.current_time() + 1000)\n"
         "        await body.send(line)",
         ("tests/test_rows.py::test_rows_come_in_completion_order_with_empty_line_heartbeats",),
+    ),
+    Mutation(
+        "an agent request that reached the agent is sent again",
+        "trio_gym/runners/agents.py",
+        "            except ConnectFailed as exc:",
+        "            except NoResponse as exc:",
+        ("tests/test_agents.py::test_a_dropped_connection_is_not_resent_and_requests_match_sends",),
+    ),
+    Mutation(
+        "connection retries toward an agent unbounded by agent_connect_attempts",
+        "trio_gym/runners/agents.py",
+        "        for attempt in range(1, attempts + 1):",
+        "        for attempt in range(1, attempts + 3):",
+        ("tests/test_agents.py::test_refused_connections_are_retried_a_bounded_number_of_times",),
+        also=(
+            (
+                "trio_gym/runners/agents.py",
+                "                if attempt == attempts:",
+                "                if attempt == attempts + 2:",
+            ),
+        ),
+    ),
+    Mutation(
+        "an environment server in front of an agent is bypassed",
+        "trio_gym/runners/agents.py",
+        "            agents[agent] = servers[0][1]",
+        "            pass",
+        (
+            "tests/test_agents.py::test_the_head_server_names_the_agents_and_environment_servers_front_them",
+        ),
+    ),
+    Mutation(
+        "no concurrency bound per agent server",
+        "trio_gym/runners/agents.py",
+        "trio.CapacityLimiter(self.settings.max_connections)",
+        "trio.CapacityLimiter(10**6)",
+        ("tests/test_agents.py::test_concurrency_toward_one_agent_server_is_bounded",),
+    ),
+    Mutation(
+        "an unknown agent does not make the runner ask the head server again",
+        "trio_gym/runners/agents.py",
+        "        if found is None and self.learns:",
+        "        if False:",
+        ("tests/test_agents.py::test_an_unknown_agent_makes_the_runner_ask_the_head_server_again",),
     ),
     Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",

@@ -17,7 +17,7 @@ from typing import Any
 import trio
 
 from trio_gym import logs
-from trio_gym.config import ConfigError, ServeConfig, load_serve_config
+from trio_gym.config import ConfigError, ServeConfig, load_serve_config, parse_agent_pairs
 from trio_gym.demo import run_demo
 from trio_gym.errors import leaves
 from trio_gym.host import Host, ListenError, serve
@@ -34,6 +34,7 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--deadline": ("rollout_deadline_s", float, "longest a batch may run, seconds (1800)"),
     "--max-request-bytes": ("max_request_bytes", int, "largest request body (256 MiB)"),
     "--max-response-bytes": ("max_response_bytes", int, "largest results document (256 MiB)"),
+    "--head-server": ("head_server", str, "runner agents: a Gym head server listing the agents"),
 }
 # The installer stage's flags, taken by both serve and install.
 INSTALL_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -55,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
         "the config file, which overrides the defaults.",
     )
     _add_config_flags(serve_cmd, {**SERVE_FLAGS, **INSTALL_FLAGS})
+    serve_cmd.add_argument(
+        "--agent",
+        dest="agent_pairs",
+        action="append",
+        metavar="NAME=URL",
+        help="runner agents: where an agent (or the environment server in front of it) is",
+    )
 
     install_cmd = commands.add_parser(
         "install",
@@ -135,6 +143,14 @@ def _config(args: argparse.Namespace) -> ServeConfig | None:
     table: dict[str, tuple[Any, ...]] = args.flag_table
     flags = {spec[0]: getattr(args, spec[0]) for spec in table.values()}
     names = {spec[0]: flag for flag, spec in table.items()}
+    pairs = getattr(args, "agent_pairs", None)
+    if pairs:
+        try:
+            flags["agents"] = parse_agent_pairs(pairs)
+        except ValueError as exc:
+            print(f"trio-gym {args.command}: --agent {exc}", file=sys.stderr)
+            return None
+        names["agents"] = "--agent"
     if flags.get("environment_path") is not None:
         # A package named on the command line is meant to be there: missing is an error.
         flags["environment_package_required"] = True

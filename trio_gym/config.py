@@ -19,7 +19,7 @@ from typing import Annotated, Any, Final
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trio_gym.http import HttpLimits
 
@@ -81,6 +81,43 @@ class ServeConfig(BaseModel):
     install_timeout_s: PositiveSeconds = Field(
         default=900.0, description="Longest the installer stage's uv run may take."
     )
+    agents: dict[str, str] = Field(
+        default_factory=dict,
+        description="For runner 'agents': agent name -> base URL of its server (or of the "
+        "environment server in front of it).",
+    )
+    head_server: str = Field(
+        default="", description="For runner 'agents': a Gym head server that lists every server."
+    )
+    agent_max_connections: int = Field(
+        default=64, gt=0, description="Requests in flight to one agent server at once."
+    )
+    agent_connect_attempts: int = Field(
+        default=5, gt=0, description="Tries to connect to an agent server before failing."
+    )
+    agent_retry_backoff_s: PositiveSeconds = Field(
+        default=0.5, description="Connection retry n waits n times this long."
+    )
+
+    @field_validator("agents", mode="before")
+    @classmethod
+    def _agents_from_text(cls, value: Any) -> Any:
+        """``NMP_AGENTS="a=http://h:1,b=http://h:2"`` as well as a mapping."""
+        if not isinstance(value, str):
+            return value
+        pairs = [item.strip() for item in value.split(",") if item.strip()]
+        return parse_agent_pairs(pairs)
+
+    @model_validator(mode="after")
+    def _agents_need_the_agents_runner(self) -> ServeConfig:
+        wired = bool(self.agents or self.head_server)
+        if self.runner == "agents" and not wired:
+            raise ValueError(
+                "runner 'agents' needs --agent NAME=URL (repeatable) or --head-server URL"
+            )
+        if wired and self.runner != "agents":
+            raise ValueError("--agent and --head-server are for --runner agents")
+        return self
 
     def http_limits(self) -> HttpLimits:
         return HttpLimits(
@@ -110,7 +147,25 @@ ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
     "environment_offline": "NMP_ENVIRONMENT_OFFLINE",
     "environment_package_required": "NMP_ENVIRONMENT_PACKAGE_REQUIRED",
     "install_timeout_s": "NMP_INSTALL_TIMEOUT_S",
+    "agents": "NMP_AGENTS",
+    "head_server": "NMP_HEAD_SERVER",
+    "agent_max_connections": "NMP_AGENT_MAX_CONNECTIONS",
+    "agent_connect_attempts": "NMP_AGENT_CONNECT_ATTEMPTS",
+    "agent_retry_backoff_s": "NMP_AGENT_RETRY_BACKOFF_S",
 }
+
+
+def parse_agent_pairs(pairs: list[str]) -> dict[str, str]:
+    """``["name=http://host:port", ...]`` as a mapping; raises ``ValueError`` naming a bad pair."""
+    agents: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, url = pair.partition("=")
+        if not sep or not name.strip() or not url.strip():
+            raise ValueError(f"{pair!r}: expected NAME=URL, e.g. my_agent=http://127.0.0.1:8001")
+        if name.strip() in agents:
+            raise ValueError(f"agent {name.strip()!r} is given twice")
+        agents[name.strip()] = url.strip()
+    return agents
 
 
 # The variables a caller's bootstrap environment is made of (DESIGN §4, the upstream host's
@@ -276,13 +331,16 @@ def describe_validation_error(
     """One line per problem: where the value came from, what it was, what is wrong."""
     lines = []
     for error in exc.errors():
-        location = ".".join(str(part) for part in error["loc"]) or "(top level)"
+        location = ".".join(str(part) for part in error["loc"])
         key = str(error["loc"][0]) if error["loc"] else ""
         where = (sources or {}).get(key, location)
+        message = error["msg"].removeprefix("Value error, ")
         if error["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown key {location!r}")
+        elif not location:
+            lines.append(message)
         elif "input" in error and where != location:
-            lines.append(f"{where}={error['input']!r}: {error['msg']}")
+            lines.append(f"{where}={error['input']!r}: {message}")
         else:
-            lines.append(f"{location}: {error['msg']}")
+            lines.append(f"{location}: {message}")
     return "; ".join(lines)

@@ -16,7 +16,7 @@ from trio_gym.http.messages import BODY_PIECE_BYTES
 from trio_gym.logs import log_event
 from trio_gym.runners import ExampleContext, Runner
 
-from .state import HostStats
+from .state import Host, HostStats
 
 IDENTITY_KEYS: Final = ("_ng_task_index", "_ng_rollout_index", "_sg_example_id")
 
@@ -81,7 +81,7 @@ class ExampleFailed(Exception):
 
 
 async def run_examples(
-    runner: Runner, examples: Sequence[Mapping[str, Any]], batch_id: str, stats: HostStats
+    host: Host, examples: Sequence[Mapping[str, Any]], batch_id: str
 ) -> list[Any]:
     """Run every example at once; return the results in input order.
 
@@ -91,8 +91,8 @@ async def run_examples(
     results: list[Any] = [None] * len(examples)
 
     async def run_into_place(index: int, example: Mapping[str, Any]) -> None:
-        context = ExampleContext(batch_id=batch_id, index=index)
-        results[index] = await run_example(runner, example, context, stats)
+        context = ExampleContext(batch_id, index, on_boundary=host.note_boundary)
+        results[index] = await run_example(host.runner, example, context, host.stats)
 
     async with trio.open_nursery() as nursery:
         for index, example in enumerate(examples):

@@ -201,7 +201,7 @@ async def _answer_with_document(
     async def work() -> None:
         nonlocal results, failures
         try:
-            results = await run_examples(host.runner, examples, batch.id, host.stats)
+            results = await run_examples(host, examples, batch.id)
         except* ExampleFailed as group:
             failures = leaves(group)
 

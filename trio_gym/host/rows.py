@@ -71,7 +71,7 @@ async def answer_with_rows(
     limit = host.config.max_response_bytes
 
     async def run_one(index: int, example: dict[str, Any]) -> None:
-        context = ExampleContext(batch_id=batch.id, index=index)
+        context = ExampleContext(batch.id, index, on_boundary=host.note_boundary)
         try:
             result = await run_example(host.runner, example, context, host.stats)
         except ExampleFailed as failure:

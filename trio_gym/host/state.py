@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import secrets
-from typing import Final
+from collections.abc import Mapping
+from typing import Any, Final
 
 import attrs
 import trio
@@ -12,7 +13,7 @@ from trio_gym.config import ServeConfig
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.install import InstallError, install_environment
 from trio_gym.logs import log_event
-from trio_gym.runners import Runner, load_runner
+from trio_gym.runners import ExampleContext, Runner, load_runner
 
 # How long an over-cap connection may take to send its head, and how long its close drains.
 REFUSAL_TIMEOUT_S: Final = 2.0
@@ -48,6 +49,7 @@ class HostStats:
     examples_completed: int = 0
     examples_failed: int = 0
     examples_cancelled: int = 0
+    step_boundaries: int = 0
 
     def count_end(self, outcome: str) -> None:
         """Count an example's end: ``completed``, ``failed`` or ``cancelled``."""
@@ -91,6 +93,13 @@ class Host:
         """Set once start-up ended, ready or failed."""
         if runner is not None:
             self.settled.set()
+
+    async def note_boundary(
+        self, context: ExampleContext, step: int, state: Mapping[str, Any]
+    ) -> None:
+        """A runner's episode reached a step boundary (see :mod:`trio_gym.runners.base`)."""
+        self.stats.step_boundaries += 1
+        await trio.lowlevel.checkpoint()
 
     def admit_connection(self) -> trio.CapacityLimiter | None:
         """Take a slot for a new connection: a full one, an overflow one, or ``None`` (full)."""
@@ -137,9 +146,11 @@ class Host:
             self._enter("starting_runner")
             # Abandoned if cancelled: an import cannot be interrupted, and shutdown must not wait
             # for one that hangs (the worker thread is a daemon; it dies with the process).
-            self._runner = await trio.to_thread.run_sync(
-                load_runner, self.config.runner, abandon_on_cancel=True
-            )
+            runner = await trio.to_thread.run_sync(load_runner, self.config, abandon_on_cancel=True)
+            start = getattr(runner, "start", None)
+            if start is not None:
+                await start()
+            self._runner = runner
         except Exception as exc:  # the boundary: a user's package or module may fail any way
             assert isinstance(self.phase, Starting)
             message = str(exc) if isinstance(exc, InstallError) else f"{type(exc).__name__}: {exc}"

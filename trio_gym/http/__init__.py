@@ -6,6 +6,7 @@ Connection handling, framing, limits and graceful close; nothing here knows what
 from trio_gym.http.client import (
     BodyFailed,
     ClientExchange,
+    ConnectFailed,
     Endpoint,
     NoResponse,
     Response,
@@ -32,6 +33,7 @@ __all__ = [
     "BodyFailed",
     "ChunkedBody",
     "ClientExchange",
+    "ConnectFailed",
     "ConnectionLost",
     "Endpoint",
     "HttpConnection",

@@ -5,6 +5,7 @@ so there is one parser for both directions. Failures come in two kinds that call
 apart, because only the first may be retried without running anything twice:
 
 - :class:`NoResponse`: no response head arrived (refused, reset, closed without a word);
+  :class:`ConnectFailed`, its narrower kind, says the request never left at all;
 - :class:`BodyFailed`: the head arrived, then the body did not (cut short, too large, stalled).
 """
 
@@ -67,6 +68,10 @@ class NoResponse(Exception):
     """No response head arrived; the message says what happened instead."""
 
 
+class ConnectFailed(NoResponse):
+    """Not even a connection: the request certainly never reached the peer."""
+
+
 class BodyFailed(Exception):
     """The response head arrived (``status``) but its body did not complete.
 
@@ -115,7 +120,7 @@ class ClientExchange:
         try:
             stream = await opener(endpoint)
         except OSError as exc:
-            raise NoResponse(f"could not connect to {endpoint.authority}: {exc}") from exc
+            raise ConnectFailed(f"could not connect to {endpoint.authority}: {exc}") from exc
         conn = HttpConnection(stream, h11.CLIENT, limits, request_version=request_version)
         return cls(conn, endpoint)
 

@@ -12,14 +12,24 @@ the host stops. So a runner:
 
 ``check_example`` runs for every example before the batch is accepted, so a malformed example
 is a ``400`` naming it rather than a failure minutes into the batch.
+
+An optional ``async def start(self)`` runs once in the host's ``starting_runner`` stage (reach a
+registry, warm a cache); if it raises, ``/health`` reports ``bootstrap_failed`` with the reason.
+
+A runner whose episodes have steps reports each *step boundary* — the points between steps
+where the whole episode is plain JSON-able state — with ``await context.boundary(step, state)``.
+The host counts them now; checkpointing parks episodes there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
+import trio
+
+BoundaryHook = Callable[["ExampleContext", int, Mapping[str, Any]], Awaitable[None]]
 
 
 @attrs.frozen
@@ -30,6 +40,17 @@ class ExampleContext:
     """Unique within this host process; also in every log line about the batch."""
     index: int
     """The example's position in the batch (results come back in this order)."""
+    on_boundary: BoundaryHook | None = None
+
+    async def boundary(self, step: int, state: Mapping[str, Any]) -> None:
+        """Report that the episode is between steps: ``step`` steps done, ``state`` JSON-able.
+
+        A checkpoint (cancellable): a runner calls it at every boundary, before the next step.
+        """
+        if self.on_boundary is None:
+            await trio.lowlevel.checkpoint()
+        else:
+            await self.on_boundary(self, step, state)
 
     @property
     def example_key(self) -> str:

@@ -227,13 +227,25 @@ class ExampleRunner:
         key = context.example_key
         self.store.open(key)
         try:
-            return await self.continue_episode(state, key)
+            return await self.continue_episode(state, key, context)
         finally:
             self.store.close(key)
 
-    async def continue_episode(self, state: EpisodeState, key: str) -> dict[str, Any]:
-        """Run ``state`` from its current step boundary to the end; its calendar is in the store."""
+    def snapshot(self, state: EpisodeState, key: str) -> dict[str, Any]:
+        """The episode at a step boundary as plain JSON: its state and its side effects."""
+        events = [attrs.asdict(event) for event in self.store.events(key)]
+        return {"state": state.to_json(), "events": events}
+
+    async def continue_episode(
+        self, state: EpisodeState, key: str, context: ExampleContext
+    ) -> dict[str, Any]:
+        """Run ``state`` from its current step boundary to the end; its calendar is in the store.
+
+        Reports every boundary, the first (nothing done yet) and the last (all done) included.
+        """
+        await context.boundary(state.step, self.snapshot(state, key))
         while not state.done:
             await trio.sleep(state.task.think_s)
             state = advance(state, self.store, key)
+            await context.boundary(state.step, self.snapshot(state, key))
         return result_of(state, self.store.events(key))

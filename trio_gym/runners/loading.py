@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 
+from trio_gym.config import ServeConfig
+from trio_gym.runners.agents import AgentSettings, AgentsRunner
 from trio_gym.runners.base import Runner
 from trio_gym.runners.example import ExampleRunner
 
@@ -12,14 +14,21 @@ class RunnerLoadError(Exception):
     """The runner setting names nothing usable; the message says what and how to fix it."""
 
 
-def load_runner(spec: str) -> Runner:
-    """``"example"``, or ``"package.module:factory"`` where ``factory()`` returns a runner.
+def load_runner(config: ServeConfig) -> Runner:
+    """The runner ``config.runner`` names: ``"example"``, ``"agents"`` (with ``config.agents``
+    or ``config.head_server``), or ``"package.module:factory"`` where ``factory()`` returns one.
 
     Raises :class:`RunnerLoadError`. Importing runs the user's module, so this is the host's
     "starting runner" stage, reported on ``/health``, not something done while parsing config.
     """
+    spec = config.runner
     if spec == "example":
         return ExampleRunner()
+    if spec == "agents":
+        try:
+            return AgentsRunner(AgentSettings.from_config(config), limits=config.http_limits())
+        except ValueError as exc:
+            raise RunnerLoadError(f"runner 'agents': {exc}") from exc
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         raise RunnerLoadError(f"runner {spec!r}: expected 'example' or 'package.module:factory'")

@@ -1,0 +1,160 @@
+"""A Gym-compatible agent server and head server, on loopback, for the `agents` runner's tests.
+
+Written with h11 directly (not with the project's HTTP layer, which they test). The agent
+server's ``/run`` does what each example's ``_fake`` key asks: answer after ``delay_s``, answer
+with ``status``, ``hang`` until the caller leaves, or ``drop`` the connection. Like Gym's
+servers, it watches for the caller leaving while it works and cancels the work when it does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import h11
+import trio
+import yaml
+
+
+async def read_request(stream: trio.SocketStream) -> tuple[h11.Request, bytes]:
+    parser = h11.Connection(h11.SERVER)
+    head: h11.Request | None = None
+    body = b""
+    while True:
+        event = parser.next_event()
+        if event is h11.NEED_DATA:
+            parser.receive_data(await stream.receive_some(65536))
+        elif isinstance(event, h11.Request):
+            head = event
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage):
+            assert head is not None
+            return head, body
+        else:
+            raise EOFError(repr(event))
+
+
+async def respond(stream: trio.SocketStream, status: int, body: bytes) -> None:
+    head = (
+        f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode()
+    await stream.send_all(head + body)
+
+
+class FakeAgentServer:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.port = 0
+        self.requests: list[dict[str, Any]] = []
+        self.running = 0
+        self.peak = 0
+        self.disconnects = 0
+        self._changed = trio.Event()
+
+    def _note(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, predicate: Any) -> None:
+        while not predicate(self):
+            await self._changed.wait()
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self.port)
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            head, body = await read_request(stream)
+        except (EOFError, trio.BrokenResourceError):
+            return
+        if head.target != b"/run":
+            await respond(stream, 404, b'{"detail": "Not Found"}')
+            return
+        example = json.loads(body)
+        self.requests.append(example)
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        self._note()
+        answering = [False]  # once it answers, the caller closing is no departure
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(
+                    self._watch_for_departure, stream, nursery.cancel_scope, answering
+                )
+                await self._work(stream, example, answering)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.running -= 1
+            self._note()
+
+    async def _watch_for_departure(
+        self, stream: trio.SocketStream, scope: trio.CancelScope, answering: list[bool]
+    ) -> None:
+        try:
+            while await stream.receive_some(65536):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        if not answering[0]:
+            self.disconnects += 1  # the caller left: cancel the handler, as Gym's middleware does
+            self._note()
+            scope.cancel()
+
+    async def _work(
+        self, stream: trio.SocketStream, example: dict[str, Any], answering: list[bool]
+    ) -> None:
+        fake = example.get("_fake", {})
+        if fake.get("hang"):
+            await trio.sleep_forever()
+        await trio.sleep(fake.get("delay_s", 0))
+        answering[0] = True
+        if fake.get("drop"):
+            await stream.aclose()
+            return
+        if "status" in fake:
+            await respond(stream, fake["status"], b"agent exploded: " + b"x" * 2000)
+            return
+        answer = {
+            "reward": 0.5,
+            "agent": self.name,
+            "response": {"output": []},
+            "keys": sorted(example),
+        }
+        await respond(stream, 200, json.dumps(answer).encode())
+
+
+class FakeHeadServer:
+    """Serves ``GET /global_config_dict_yaml`` as Gym's head server does: JSON-wrapped YAML."""
+
+    def __init__(self, deployment: dict[str, Any]) -> None:
+        self.deployment = deployment
+        self.reads = 0
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        task_status.started(listeners[0].socket.getsockname()[1])
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        head, _ = await read_request(stream)
+        assert head.target == b"/global_config_dict_yaml"
+        self.reads += 1
+        await respond(stream, 200, json.dumps(yaml.safe_dump(self.deployment)).encode())
+
+
+def agent_instance(port: int) -> dict[str, Any]:
+    return {"responses_api_agents": {"simple_agent": {"host": "127.0.0.1", "port": port}}}
+
+
+def environment_instance(port: int, agent: str) -> dict[str, Any]:
+    server = {
+        "host": "127.0.0.1",
+        "port": port,
+        "agent_server": {"type": "responses_api_agents", "name": agent},
+    }
+    return {"environment_servers": {"legacy_agent": server}}
