@@ -109,14 +109,17 @@ class ServeConfig(BaseModel):
         return parse_agent_pairs(pairs)
 
     @model_validator(mode="after")
-    def _agents_need_the_agents_runner(self) -> ServeConfig:
-        wired = bool(self.agents or self.head_server)
-        if self.runner == "agents" and not wired:
+    def _agents_need_an_agent_runner(self) -> ServeConfig:
+        if self.runner == "agents" and not (self.agents or self.head_server):
             raise ValueError(
                 "runner 'agents' needs --agent NAME=URL (repeatable) or --head-server URL"
             )
-        if wired and self.runner != "agents":
-            raise ValueError("--agent and --head-server are for --runner agents")
+        if self.runner == "gym" and not self.head_server:
+            raise ValueError("runner 'gym' needs --head-server URL (the Gym deployment)")
+        if self.agents and self.runner != "agents":
+            raise ValueError("--agent is for --runner agents")
+        if self.head_server and self.runner not in ("agents", "gym"):
+            raise ValueError("--head-server is for --runner agents or --runner gym")
         return self
 
     def http_limits(self) -> HttpLimits:

@@ -197,6 +197,16 @@ class AgentDirectory:
         return servers_of(deployment)
 
 
+def agent_name(example: Mapping[str, Any]) -> str:
+    """The agent an example names in ``agent_ref``; ``ValueError`` (the runner protocol's
+    refusal) if it names none."""
+    reference = example.get("agent_ref")
+    name = reference.get("name") if isinstance(reference, Mapping) else None
+    if not isinstance(name, str) or not name:
+        raise ValueError('needs "agent_ref": {"name": "<agent>"} naming the agent to run it')
+    return name
+
+
 def excerpt(body: bytes) -> str:
     text = body[:EXCERPT_BYTES].decode("utf-8", "replace")
     return repr(text) + (f" ... ({len(body)} bytes)" if len(body) > EXCERPT_BYTES else "")
@@ -225,10 +235,7 @@ class AgentsRunner:
         await self.directory.refresh()
 
     def check_example(self, example: Mapping[str, Any]) -> None:
-        reference = example.get("agent_ref")
-        name = reference.get("name") if isinstance(reference, Mapping) else None
-        if not isinstance(name, str) or not name:
-            raise ValueError('needs "agent_ref": {"name": "<agent>"} naming the agent to run it')
+        name = agent_name(example)
         if not self.directory.learns and self.directory.lookup(name) is None:
             raise ValueError(
                 f"unknown agent {name!r}; known agents: {self.directory.known() or 'none'}"

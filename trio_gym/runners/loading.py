@@ -8,6 +8,7 @@ from trio_gym.config import ServeConfig
 from trio_gym.runners.agents import AgentSettings, AgentsRunner
 from trio_gym.runners.base import Runner
 from trio_gym.runners.example import ExampleRunner
+from trio_gym.runners.gym import GymRunner
 
 
 class RunnerLoadError(Exception):
@@ -16,7 +17,8 @@ class RunnerLoadError(Exception):
 
 def load_runner(config: ServeConfig) -> Runner:
     """The runner ``config.runner`` names: ``"example"``, ``"agents"`` (with ``config.agents``
-    or ``config.head_server``), or ``"package.module:factory"`` where ``factory()`` returns one.
+    or ``config.head_server``), ``"gym"`` (with ``config.head_server``; needs ``nemo_gym``), or
+    ``"package.module:factory"`` where ``factory()`` returns one.
 
     Raises :class:`RunnerLoadError`. Importing runs the user's module, so this is the host's
     "starting runner" stage, reported on ``/health``, not something done while parsing config.
@@ -24,6 +26,11 @@ def load_runner(config: ServeConfig) -> Runner:
     spec = config.runner
     if spec == "example":
         return ExampleRunner()
+    if spec == "gym":
+        try:
+            return GymRunner(config.head_server, limits=config.http_limits())
+        except (RuntimeError, ValueError) as exc:
+            raise RunnerLoadError(f"runner 'gym': {exc}") from exc
     if spec == "agents":
         try:
             return AgentsRunner(AgentSettings.from_config(config), limits=config.http_limits())
@@ -31,7 +38,9 @@ def load_runner(config: ServeConfig) -> Runner:
             raise RunnerLoadError(f"runner 'agents': {exc}") from exc
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
-        raise RunnerLoadError(f"runner {spec!r}: expected 'example' or 'package.module:factory'")
+        raise RunnerLoadError(
+            f"runner {spec!r}: expected 'example', 'agents', 'gym' or 'package.module:factory'"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:

@@ -1,0 +1,42 @@
+"""A user's own runner, loaded by import path in tests (``tests.user_runner:factory``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import trio
+
+from trio_gym.runners import ExampleContext
+
+
+class EchoRunner:
+    """Two steps per example, each reported as a boundary; the result echoes the prompt."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+    async def start(self) -> None:
+        self.started = True
+
+    def check_example(self, example: Mapping[str, Any]) -> None:
+        if not isinstance(example.get("prompt"), str):
+            raise ValueError('needs a "prompt" string')  # noqa: TRY004 (the runner protocol's error)
+
+    async def run_example(self, example: Mapping[str, Any], context: ExampleContext) -> Any:
+        assert self.started, "start() runs before any example"
+        words: list[str] = []
+        await context.boundary(0, {"words": words})
+        for step, word in enumerate(example["prompt"].split()[:2], start=1):
+            await trio.sleep(0.01)
+            words.append(word.upper())
+            await context.boundary(step, {"words": list(words)})
+        return {"echo": " ".join(words), "reward": float(len(words))}
+
+
+def factory() -> EchoRunner:
+    return EchoRunner()
+
+
+def not_a_runner() -> object:
+    return object()
