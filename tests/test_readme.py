@@ -56,3 +56,22 @@ async def test_the_trainer_program_runs_against_a_live_host(tmp_path: Path) -> N
                 [sys.executable, str(script)], capture_stdout=True, capture_stderr=True
             )
     assert done.stdout.startswith(b"mean reward ")
+
+
+async def test_the_runner_example_is_a_runner_that_runs() -> None:
+    from trio_gym.runners import ExampleContext, Runner
+
+    block = next(b for b in code_blocks("python") if "class MyRunner" in b)
+    namespace: dict[str, object] = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    runner = namespace["factory"]()  # type: ignore[operator]
+    assert isinstance(runner, Runner)
+    await runner.start()
+    result = await runner.run_example({"prompt": "hi"}, ExampleContext("b", 0))
+    assert result == {"reward": 1.0}
+    try:
+        runner.check_example({})
+    except ValueError as exc:
+        assert "prompt" in str(exc)
+    else:
+        raise AssertionError("check_example accepted an example without a prompt")
