@@ -374,14 +374,25 @@ async def test_results_come_back_in_input_order_with_identity_keys() -> None:
         reply = await tcp_exchange(port, request_bytes({"examples": examples}))
     results = reply.json()["results"]
     assert [index for index, _ in runner.completed] != [0, 1, 2, 3, 4, 5]  # out of order
+    episode_keys = ("_ng_rollout_id", "_ng_attempt_index")
+    identities = [
+        {key: r.pop(key) for key in episode_keys} if isinstance(r, dict) else None for r in results
+    ]
     assert results == [
         {"index": 0, "_ng_task_index": 0, "_ng_rollout_index": 5, "_sg_example_id": "a"},
         {"_ng_task_index": 99},  # the runner's own value wins
         {"_ng_task_index": 2, "x": 1},  # null is filled in
         [1, 2],  # a non-object result is left alone
-        {"y": 2},  # nothing invented
+        {"y": 2},  # no example key invented
         {"_ng_rollout_index": 0, "_sg_example_id": ""},  # falsy values are values too
     ]
+    # The episode identity is always carried: given, derived from task and rollout, or assigned.
+    assert identities[0] == {"_ng_rollout_id": "0-5", "_ng_attempt_index": 0}
+    assert identities[3] is None
+    assigned = [identity["_ng_rollout_id"] for identity in identities if identity][1:]
+    assert len(set(assigned)) == 4 and all(
+        rid.endswith(f"-{i}") for rid, i in zip(assigned, (1, 2, 4, 5), strict=True)
+    )
     document = reply.json()
     assert set(document) == {"results", "job_id", "environment_path", "work_path"}
 

@@ -28,8 +28,10 @@ async def test_a_user_runner_loaded_by_import_path_runs_end_to_end() -> None:
     batch = {"examples": [{"prompt": "hello big world", "_ng_task_index": 7}]}
     host, health, reply = await started_host_reply("tests.user_runner:factory", batch)
     assert health.json() == {"status": "ready"}
-    assert reply.json()["results"] == [{"echo": "HELLO BIG", "reward": 2.0, "_ng_task_index": 7}]
-    assert host.stats.step_boundaries == 3  # before the first step and after each of two
+    (result,) = reply.json()["results"]
+    assert result["echo"] == "HELLO BIG" and result["reward"] == 2.0
+    assert result["_ng_task_index"] == 7 and result["_ng_attempt_index"] == 0
+    assert host.episodes.boundaries == 3  # before the first step and after each of two
 
 
 async def test_a_user_runners_check_refuses_a_bad_example_with_400() -> None:
@@ -58,16 +60,22 @@ async def test_a_runner_that_cannot_be_loaded_is_reported_on_health(
     assert fragment in health.json()["error"]["message"]
 
 
+class RecordingHooks:
+    def __init__(self) -> None:
+        self.boundaries: list[tuple[int, str]] = []
+
+    async def boundary(self, context: ExampleContext, step: int, state: Any) -> None:
+        self.boundaries.append((step, json.dumps(state)))  # JSON-able, or this raises
+
+    async def run_step(self, context: ExampleContext, step: Any, mode: str) -> Any:
+        return await step()
+
+
 async def test_the_example_runner_reports_every_step_boundary_as_json() -> None:
-    boundaries: list[tuple[int, str]] = []
-
-    async def record(context: ExampleContext, step: int, state: Any) -> None:
-        boundaries.append((step, json.dumps(state)))  # JSON-able, or this raises
-
+    hooks = RecordingHooks()
     runner = ExampleRunner()
-    context = ExampleContext("b", 0, on_boundary=record)
+    context = ExampleContext("b", 0, capture_key="r-1", hooks=hooks)
     result = await runner.run_example({"seed": 3, "meetings": 4}, context)
-    assert [step for step, _ in boundaries] == [0, 1, 2, 3, 4]
-    last = json.loads(boundaries[-1][1])
-    assert last["state"]["step"] == 4
-    assert len(last["events"]) == len(result["booked"])  # the side effects travel with the state
+    assert [step for step, _ in hooks.boundaries] == [0, 1, 2, 3, 4]
+    assert json.loads(hooks.boundaries[-1][1])["step"] == 4
+    assert result["steps"] == 4 and len(runner.store) == 0

@@ -81,6 +81,10 @@ class ServeConfig(BaseModel):
     install_timeout_s: PositiveSeconds = Field(
         default=900.0, description="Longest the installer stage's uv run may take."
     )
+    control_token: str = Field(
+        default="",
+        description="Bearer token of the checkpoint control plane; empty turns the plane off.",
+    )
     agents: dict[str, str] = Field(
         default_factory=dict,
         description="For runner 'agents': agent name -> base URL of its server (or of the "
@@ -150,6 +154,7 @@ ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
     "environment_offline": "NMP_ENVIRONMENT_OFFLINE",
     "environment_package_required": "NMP_ENVIRONMENT_PACKAGE_REQUIRED",
     "install_timeout_s": "NMP_INSTALL_TIMEOUT_S",
+    "control_token": "NMP_CONTROL_TOKEN",
     "agents": "NMP_AGENTS",
     "head_server": "NMP_HEAD_SERVER",
     "agent_max_connections": "NMP_AGENT_MAX_CONNECTIONS",

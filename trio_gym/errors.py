@@ -36,6 +36,13 @@ class ErrorCode(enum.StrEnum):
     HTTP_VERSION_NOT_SUPPORTED = "http_version_not_supported"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     INTERNAL = "internal"
+    UNAUTHORIZED = "unauthorized"
+    ADMISSION_CLOSED = "admission_closed"
+    STALE_ATTEMPT = "stale_attempt"
+    STALE_CHECKPOINT = "stale_checkpoint"
+    CHECKPOINT_CONFLICT = "checkpoint_conflict"
+    WRONG_PHASE = "wrong_phase"
+    EXPORT_INVALID = "export_invalid"
 
 
 # The status each code is answered with when it is still possible to choose one. A
@@ -57,6 +64,13 @@ DEFAULT_STATUS: dict[ErrorCode, int] = {
     ErrorCode.HTTP_VERSION_NOT_SUPPORTED: 505,
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.INTERNAL: 500,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.ADMISSION_CLOSED: 409,
+    ErrorCode.STALE_ATTEMPT: 409,
+    ErrorCode.STALE_CHECKPOINT: 409,
+    ErrorCode.CHECKPOINT_CONFLICT: 409,
+    ErrorCode.WRONG_PHASE: 409,
+    ErrorCode.EXPORT_INVALID: 422,
 }
 
 

@@ -14,9 +14,10 @@ from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import encode_json
 from trio_gym.http.messages import BODY_PIECE_BYTES
 from trio_gym.logs import log_event
-from trio_gym.runners import ExampleContext, Runner
+from trio_gym.runners import ExampleContext
 
-from .state import Host, HostStats
+from .episodes import ATTEMPT_KEY, ROLLOUT_ID_KEY, EpisodeId, LiveEpisode
+from .state import Host
 
 IDENTITY_KEYS: Final = ("_ng_task_index", "_ng_rollout_index", "_sg_example_id")
 
@@ -57,6 +58,7 @@ class Batch:
 
     id: str
     size: int
+    """Examples in it (known once the body is parsed)."""
     state: BatchState = BatchState.ACCEPTED
     accepted_at: float = attrs.field(factory=trio.current_time)
 
@@ -72,69 +74,87 @@ class Batch:
 
 
 class ExampleFailed(Exception):
-    """A runner raised while running example ``index``."""
+    """Example ``index`` failed: its runner raised, or (``stale_attempt``) it was retired."""
 
-    def __init__(self, index: int, error: Exception) -> None:
+    def __init__(self, index: int, error: Exception, code: ErrorCode = ErrorCode.INTERNAL) -> None:
         super().__init__(index, error)
         self.index = index
         self.error = error
+        self.code = code
+
+
+class AttemptRetired(Exception):
+    """The control plane retired this attempt while it ran."""
 
 
 async def run_examples(
-    host: Host, examples: Sequence[Mapping[str, Any]], batch_id: str
+    host: Host,
+    examples: Sequence[Mapping[str, Any]],
+    episodes: Sequence[LiveEpisode],
 ) -> list[Any]:
-    """Run every example at once; return the results in input order.
+    """Run every (admitted) example at once; return the results in input order.
 
-    Raises an ``ExceptionGroup`` of :class:`ExampleFailed` if a runner failed (every other
-    example is then cancelled). Cancelling the caller cancels every example.
+    Raises an ``ExceptionGroup`` of :class:`ExampleFailed` if one failed (every other example
+    is then cancelled). Cancelling the caller cancels every example.
     """
     results: list[Any] = [None] * len(examples)
 
-    async def run_into_place(index: int, example: Mapping[str, Any]) -> None:
-        context = ExampleContext(batch_id, index, on_boundary=host.note_boundary)
-        results[index] = await run_example(host.runner, example, context, host.stats)
+    async def run_into_place(index: int) -> None:
+        results[index] = await run_example(host, examples[index], episodes[index])
 
     async with trio.open_nursery() as nursery:
-        for index, example in enumerate(examples):
-            nursery.start_soon(run_into_place, index, example)
+        for index in range(len(examples)):
+            nursery.start_soon(run_into_place, index)
     return results
 
 
-async def run_example(
-    runner: Runner, example: Mapping[str, Any], context: ExampleContext, stats: HostStats
-) -> Any:
-    """Run one example; count how it ended; return its result with the identity keys carried.
+async def run_example(host: Host, example: Mapping[str, Any], episode: LiveEpisode) -> Any:
+    """Run one admitted episode; count how it ended; return its result with identity carried.
 
-    Raises :class:`ExampleFailed` wrapping a runner's failure.
+    Raises :class:`ExampleFailed` wrapping a runner's failure, or ``stale_attempt`` when the
+    control plane retired the attempt while it ran.
     """
-    stats.examples_started += 1
+    context = ExampleContext(
+        episode.batch_id,
+        episode.index,
+        capture_key=episode.id.capture_key,
+        restored=episode.restored,
+        hooks=host.episodes,
+    )
+    host.stats.examples_started += 1
     # Counted in `finally`: a runner with a nursery of its own ends a cancellation with a group
     # of Cancelled, which `except trio.Cancelled` would not see.
     outcome = "cancelled"
     try:
-        result = await runner.run_example(example, context)
-        outcome = "completed"
+        with episode.scope:
+            result = await host.runner.run_example(example, context)
+            outcome = "completed"
     except Exception as exc:  # any runner failure is this example's failure, reported as such
         outcome = "failed"
-        raise ExampleFailed(context.index, exc) from exc
+        raise ExampleFailed(episode.index, exc) from exc
     finally:
-        stats.count_end(outcome)
-    return carry_identity(example, result)
+        host.stats.count_end(outcome)
+        host.episodes.end(episode)
+    if episode.scope.cancelled_caught:
+        retired = AttemptRetired(f"{episode.id.capture_key} was retired while it ran")
+        raise ExampleFailed(episode.index, retired, ErrorCode.STALE_ATTEMPT)
+    return carry_identity(example, result, episode.id)
 
 
-def carry_identity(example: Mapping[str, Any], result: Any) -> Any:
-    """Copy the example's identity keys onto an object result that lacks them (or has null).
+def carry_identity(example: Mapping[str, Any], result: Any, episode: EpisodeId) -> Any:
+    """Copy identity onto an object result where the result lacks it (or has it as null).
 
-    A value the runner returned is never overwritten, a non-object result is left alone, and
-    no key is invented: only keys the example has with a value are carried.
+    The example's ``_ng_task_index``, ``_ng_rollout_index``, ``_sg_example_id`` (when it has
+    them), and the episode's ``_ng_rollout_id`` and ``_ng_attempt_index`` (always: a rollout id
+    may have been assigned here, and checkpoints need both). A value the runner returned is
+    never overwritten; a non-object result is left alone.
     """
     if not isinstance(result, dict):
         return result
-    missing = {
-        key: example[key]
-        for key in IDENTITY_KEYS
-        if example.get(key) is not None and result.get(key) is None
-    }
+    identity = {key: example[key] for key in IDENTITY_KEYS if example.get(key) is not None}
+    identity[ROLLOUT_ID_KEY] = episode.rollout_id
+    identity[ATTEMPT_KEY] = episode.attempt
+    missing = {key: value for key, value in identity.items() if result.get(key) is None}
     return {**result, **missing} if missing else result
 
 
@@ -153,11 +173,11 @@ def describe_failure(failure: ExampleFailed, note: str = "") -> str:
     )
 
 
-def internal_error(failures: Sequence[ExampleFailed]) -> WireError:
-    """The ``internal`` error of a batch: its first failed example, and how many others."""
+def batch_error(failures: Sequence[ExampleFailed]) -> WireError:
+    """The error of a batch with failed examples: its first, and how many others failed."""
     first = min(failures, key=lambda failure: failure.index)
     others = f" ({len(failures) - 1} other example(s) failed too)" if len(failures) > 1 else ""
-    return WireError(ErrorCode.INTERNAL, describe_failure(first, others))
+    return WireError(first.code, describe_failure(first, others))
 
 
 @attrs.frozen

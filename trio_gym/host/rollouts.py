@@ -35,11 +35,12 @@ from .batch import (
     BatchState,
     ExampleFailed,
     ResultsInfo,
+    batch_error,
     coalesce,
     encode_results,
-    internal_error,
     run_examples,
 )
+from .episodes import EpisodeId, LiveEpisode
 from .rows import NDJSON, answer_with_rows
 from .state import Host, new_batch_id
 from .supervision import supervise
@@ -101,15 +102,20 @@ def parse_rollout_request(body: bytes) -> RolloutRequest:
         raise WireError(ErrorCode.INVALID_REQUEST, describe_validation_error(exc)) from exc
 
 
-def validate_batch(body: bytes, runner: Runner) -> RolloutRequest:
-    """Parse the body and let the runner check every example; ``invalid_request`` otherwise."""
+def validate_batch(
+    body: bytes, runner: Runner, batch_id: str
+) -> tuple[RolloutRequest, list[EpisodeId]]:
+    """Parse the body, let the runner check every example, and read each one's episode
+    identity (assigning a rollout id where it has none); ``invalid_request`` otherwise."""
     request = parse_rollout_request(body)
+    identities = []
     for index, example in enumerate(request.examples):
         try:
             runner.check_example(example)
+            identities.append(EpisodeId.of(example, assigned=f"{batch_id}-{index}"))
         except ValueError as exc:
             raise WireError(ErrorCode.INVALID_REQUEST, f"examples[{index}]: {exc}") from exc
-    return request
+    return request, identities
 
 
 @attrs.frozen
@@ -156,30 +162,55 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
         min_rate=host.limits.min_body_rate,
         advice=TOO_LARGE_ADVICE,
     )
+    batch = Batch(new_batch_id(), 0)
     if len(body) > THREAD_PARSE_BYTES:
-        request = await trio.to_thread.run_sync(validate_batch, body, host.runner)
+        request, identities = await trio.to_thread.run_sync(
+            validate_batch, body, host.runner, batch.id
+        )
     else:
-        request = validate_batch(body, host.runner)
+        request, identities = validate_batch(body, host.runner, batch.id)
     host.check_accepting()  # the body may have taken a while; the host may be stopping now
-
-    deadline_s = min(request.deadline_s or math.inf, host.config.rollout_deadline_s)
-    batch = Batch(new_batch_id(), len(request.examples))
-    batch.advance(
-        BatchState.RUNNING,
-        http_version=(conn.their_http_version or b"").decode(),
-        mode="rows" if rows else "document",
-        deadline_s=deadline_s,
-    )
-    host.stats.batches_running += 1
+    admitted = [
+        host.episodes.admit_or_refuse(identity, batch.id, index)
+        for index, identity in enumerate(identities)
+    ]
     try:
-        if rows:
-            await answer_with_rows(host, conn, batch, request.examples, deadline_s)
-        else:
-            await _answer_with_document(host, conn, batch, request.examples, deadline_s)
-    except ConnectionLost as exc:
-        batch.advance(BatchState.ABANDONED, reason=str(exc))
+        if not rows:
+            refuse_unless_all_admitted(admitted)
+        deadline_s = min(request.deadline_s or math.inf, host.config.rollout_deadline_s)
+        batch.size = len(request.examples)
+        batch.advance(
+            BatchState.RUNNING,
+            http_version=(conn.their_http_version or b"").decode(),
+            mode="rows" if rows else "document",
+            deadline_s=deadline_s,
+        )
+        host.stats.batches_running += 1
+        try:
+            if rows:
+                await answer_with_rows(host, conn, batch, request.examples, admitted, deadline_s)
+            else:
+                episodes = [live for live in admitted if isinstance(live, LiveEpisode)]
+                await _answer_with_document(
+                    host, conn, batch, request.examples, episodes, deadline_s
+                )
+        except ConnectionLost as exc:
+            batch.advance(BatchState.ABANDONED, reason=str(exc))
+        finally:
+            host.stats.batches_running -= 1
     finally:
-        host.stats.batches_running -= 1
+        for live in admitted:
+            if isinstance(live, LiveEpisode):
+                host.episodes.end(live)  # idempotent: whatever did not end by itself
+
+
+def refuse_unless_all_admitted(admitted: Sequence[LiveEpisode | WireError]) -> None:
+    """A document answers a whole batch: one refused example refuses it (stale first, as
+    retrying cannot help it; then admission_closed, which a retry after the checkpoint can)."""
+    refusals = [entry for entry in admitted if isinstance(entry, WireError)]
+    if refusals:
+        refusals.sort(key=lambda error: error.code is not ErrorCode.STALE_ATTEMPT)
+        raise refusals[0]
 
 
 async def _answer_with_document(
@@ -187,6 +218,7 @@ async def _answer_with_document(
     conn: HttpConnection,
     batch: Batch,
     examples: Sequence[dict[str, Any]],
+    episodes: Sequence[LiveEpisode],
     deadline_s: float,
 ) -> None:
     """HTTP/1.1: the status line now, heartbeats while the batch runs, the document as chunks.
@@ -201,7 +233,7 @@ async def _answer_with_document(
     async def work() -> None:
         nonlocal results, failures
         try:
-            results = await run_examples(host, examples, batch.id)
+            results = await run_examples(host, examples, episodes)
         except* ExampleFailed as group:
             failures = leaves(group)
 
@@ -215,7 +247,7 @@ async def _answer_with_document(
         work=work,
     )
     if failures:
-        answer = Answer.failure(internal_error(failures))
+        answer = Answer.failure(batch_error(failures))
     elif stopped is not None:
         answer = Answer.failure(stopped)
     else:

@@ -19,9 +19,9 @@ import trio
 
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import ChunkedBody, HttpConnection, encode_json
-from trio_gym.runners import ExampleContext
 
 from .batch import Batch, BatchState, ExampleFailed, describe_failure, run_example
+from .episodes import LiveEpisode
 from .state import Host
 from .supervision import supervise
 
@@ -60,22 +60,27 @@ async def answer_with_rows(
     conn: HttpConnection,
     batch: Batch,
     examples: Sequence[dict[str, Any]],
+    admitted: Sequence[LiveEpisode | WireError],
     deadline_s: float,
 ) -> None:
-    """Stream one line per finished example, then the ``done`` line.
+    """Stream one line per finished example, then the ``done`` line. An example refused at
+    admission (``admission_closed``, ``stale_attempt``) is a sidecar row at once.
 
     Raises :class:`~trio_gym.http.ConnectionLost` if the caller left or stopped reading.
     """
     body = await ChunkedBody.start(conn, 200, content_type=NDJSON)
     counts = {"completed": 0, "failed": 0}
     limit = host.config.max_response_bytes
+    for index, entry in enumerate(admitted):
+        if isinstance(entry, WireError):
+            counts["failed"] += 1
+            await body.send(sidecar_line(index, entry))
 
-    async def run_one(index: int, example: dict[str, Any]) -> None:
-        context = ExampleContext(batch.id, index, on_boundary=host.note_boundary)
+    async def run_one(index: int, episode: LiveEpisode) -> None:
         try:
-            result = await run_example(host.runner, example, context, host.stats)
+            result = await run_example(host, examples[index], episode)
         except ExampleFailed as failure:
-            error = WireError(ErrorCode.INTERNAL, describe_failure(failure))
+            error = WireError(failure.code, describe_failure(failure))
             line, ok = sidecar_line(index, error), False
         else:
             line, ok = row_line(index, result, limit)
@@ -84,8 +89,9 @@ async def answer_with_rows(
 
     async def work() -> None:
         async with trio.open_nursery() as nursery:
-            for index, example in enumerate(examples):
-                nursery.start_soon(run_one, index, example)
+            for index, entry in enumerate(admitted):
+                if isinstance(entry, LiveEpisode):
+                    nursery.start_soon(run_one, index, entry)
 
     stopped = await supervise(
         host,

@@ -16,6 +16,7 @@ from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import ConnectionLost, HttpConnection, read_request_head, send_empty, send_json
 from trio_gym.logs import log_event
 
+from .control import PREFIX, answer_operation, answer_status, control_paths
 from .rollouts import answer_rollouts
 from .state import Host
 
@@ -42,6 +43,8 @@ async def _answer_options(host: Host, conn: HttpConnection, head: h11.Request) -
 ROUTES: Final[dict[str, dict[bytes, Handler]]] = {
     "/health": {b"GET": _answer_health, b"OPTIONS": _answer_options},
     "/rollouts/run": {b"POST": answer_rollouts, b"OPTIONS": _answer_options},
+    f"{PREFIX}status": {b"GET": answer_status},
+    **{path: {b"POST": answer_operation} for path in control_paths()[1:]},
     "*": {b"OPTIONS": _answer_options},  # the server as a whole (RFC 9110 §9.3.7)
 }
 
@@ -183,6 +186,7 @@ async def serve(
     async with trio.open_nursery() as connections:
         async with trio.open_nursery() as server_tasks:
             server_tasks.start_soon(host.bootstrap)
+            server_tasks.start_soon(host.checkpoints.watch_lease)
             server_tasks.start_soon(
                 partial(
                     trio.serve_listeners,

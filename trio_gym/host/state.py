@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
-from typing import Any, Final
+import time
+from collections.abc import Callable
+from typing import Final
 
 import attrs
 import trio
@@ -13,7 +14,11 @@ from trio_gym.config import ServeConfig
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.install import InstallError, install_environment
 from trio_gym.logs import log_event
-from trio_gym.runners import ExampleContext, Runner, load_runner
+from trio_gym.runners import Runner, load_runner
+from trio_gym.runners.base import StateParticipant
+
+from .checkpoint import Checkpoints
+from .episodes import Episodes
 
 # How long an over-cap connection may take to send its head, and how long its close drains.
 REFUSAL_TIMEOUT_S: Final = 2.0
@@ -49,7 +54,6 @@ class HostStats:
     examples_completed: int = 0
     examples_failed: int = 0
     examples_cancelled: int = 0
-    step_boundaries: int = 0
 
     def count_end(self, outcome: str) -> None:
         """Count an example's end: ``completed``, ``failed`` or ``cancelled``."""
@@ -73,7 +77,13 @@ class Host:
     :meth:`bootstrap` loads ``config.runner`` while ``/health`` says ``starting``.
     """
 
-    def __init__(self, config: ServeConfig, *, runner: Runner | None = None) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        runner: Runner | None = None,
+        wall_time: Callable[[], float] = time.time,  # clock-ok: control calls carry wall times
+    ) -> None:
         self.config = config
         self.limits = config.http_limits()
         self.stats = HostStats()
@@ -91,15 +101,17 @@ class Host:
         self.phase: Phase = Ready() if runner is not None else Starting("starting")
         self.settled = trio.Event()
         """Set once start-up ended, ready or failed."""
+        self.episodes = Episodes(
+            runner_reports_boundaries=lambda: bool(
+                getattr(self._runner, "reports_boundaries", False)
+            )
+        )
+        self.checkpoints = Checkpoints(self.episodes, self._state_participant, wall_time=wall_time)
         if runner is not None:
             self.settled.set()
 
-    async def note_boundary(
-        self, context: ExampleContext, step: int, state: Mapping[str, Any]
-    ) -> None:
-        """A runner's episode reached a step boundary (see :mod:`trio_gym.runners.base`)."""
-        self.stats.step_boundaries += 1
-        await trio.lowlevel.checkpoint()
+    def _state_participant(self) -> StateParticipant | None:
+        return self._runner if isinstance(self._runner, StateParticipant) else None
 
     def admit_connection(self) -> trio.CapacityLimiter | None:
         """Take a slot for a new connection: a full one, an overflow one, or ``None`` (full)."""

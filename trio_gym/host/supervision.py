@@ -60,8 +60,13 @@ async def supervise(
             if body is not None:
                 interval = host.config.heartbeat_interval_s
                 nursery.start_soon(_send_heartbeats, body, heartbeat, interval)
-            with examples_scope:
-                await work()
+            # Registered so that time spent in a checkpoint is added back to this deadline.
+            host.checkpoints.batch_scopes.add(examples_scope)
+            try:
+                with examples_scope:
+                    await work()
+            finally:
+                host.checkpoints.batch_scopes.discard(examples_scope)
             nursery.cancel_scope.cancel()
     except* ConnectionLost as group:
         caller_lost = leaves(group)[0]

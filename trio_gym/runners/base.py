@@ -17,19 +17,46 @@ An optional ``async def start(self)`` runs once in the host's ``starting_runner`
 registry, warm a cache); if it raises, ``/health`` reports ``bootstrap_failed`` with the reason.
 
 A runner whose episodes have steps reports each *step boundary* — the points between steps
-where the whole episode is plain JSON-able state — with ``await context.boundary(step, state)``.
-The host counts them now; checkpointing parks episodes there.
+where the whole episode is plain JSON-able state — with ``await context.boundary(step, state)``,
+and runs each step through ``await context.run_step(fn, mode=...)``. During a checkpoint the
+host parks episodes at their next boundary (``boundary`` then returns only once the checkpoint
+is over). A ``wait`` step (the default) always finishes first; a ``replay`` step — one that is
+safe to run again, because its side effects happen only at its very end — may be cut short:
+``run_step`` then raises :class:`StepInterrupted`, and the runner goes back to its last
+boundary. An episode restored from a checkpoint starts with ``context.restored`` holding the
+state of the boundary it was exported at. Runners that never report a boundary (an opaque remote
+agent) cannot be captured: checkpoints list their episodes as restarts and never wait for them.
+
+A runner that keeps episode state of its own beyond the boundary state (a side-effect store)
+also implements :class:`StateParticipant`, so a checkpoint exports and restores that state too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import attrs
 import trio
 
-BoundaryHook = Callable[["ExampleContext", int, Mapping[str, Any]], Awaitable[None]]
+StepMode = Literal["wait", "replay"]
+T = TypeVar("T")
+
+
+class StepInterrupted(Exception):
+    """A ``replay`` step was cut short by a checkpoint; resume from the last boundary."""
+
+
+class EpisodeHooks(Protocol):
+    """What the host does at an episode's boundaries and steps (parking, cutting replays)."""
+
+    async def boundary(
+        self, context: ExampleContext, step: int, state: Mapping[str, Any]
+    ) -> None: ...
+
+    async def run_step(
+        self, context: ExampleContext, step: Callable[[], Awaitable[T]], mode: StepMode
+    ) -> T: ...
 
 
 @attrs.frozen
@@ -40,22 +67,33 @@ class ExampleContext:
     """Unique within this host process; also in every log line about the batch."""
     index: int
     """The example's position in the batch (results come back in this order)."""
-    on_boundary: BoundaryHook | None = None
+    capture_key: str = ""
+    """The episode's identity across checkpoints: its rollout id, ``-a<N>`` for attempt N > 0."""
+    restored: Mapping[str, Any] | None = None
+    """For a restored episode, the boundary state it continues from; else ``None``."""
+    hooks: EpisodeHooks | None = None
+
+    @property
+    def example_key(self) -> str:
+        """A key unique to this example among the host's live episodes."""
+        return self.capture_key or f"{self.batch_id}/{self.index}"
 
     async def boundary(self, step: int, state: Mapping[str, Any]) -> None:
         """Report that the episode is between steps: ``step`` steps done, ``state`` JSON-able.
 
-        A checkpoint (cancellable): a runner calls it at every boundary, before the next step.
+        A checkpoint (cancellable). During a checkpoint it returns only when the checkpoint is
+        over (time parked is not charged to the batch's deadline).
         """
-        if self.on_boundary is None:
+        if self.hooks is None:
             await trio.lowlevel.checkpoint()
         else:
-            await self.on_boundary(self, step, state)
+            await self.hooks.boundary(self, step, state)
 
-    @property
-    def example_key(self) -> str:
-        """A key unique to this example within this host process."""
-        return f"{self.batch_id}/{self.index}"
+    async def run_step(self, step: Callable[[], Awaitable[T]], *, mode: StepMode = "wait") -> T:
+        """Run one step. Raises :class:`StepInterrupted` if a ``replay`` step is cut short."""
+        if self.hooks is None:
+            return await step()
+        return await self.hooks.run_step(self, step, mode)
 
 
 @runtime_checkable
@@ -67,3 +105,22 @@ class Runner(Protocol):
 
     async def run_example(self, example: Mapping[str, Any], context: ExampleContext) -> Any:
         """Run one example to its result; a checkpoint, cancellable at any await."""
+
+
+@runtime_checkable
+class StateParticipant(Protocol):
+    """A runner that holds episode state of its own, exported and restored by checkpoints."""
+
+    participant: tuple[str, str]
+    """(server name, kind): how this state appears in an export's manifest."""
+
+    def export_records(self, capture_keys: Sequence[str]) -> list[dict[str, Any]]:
+        """JSON records holding the state of these episodes (each names its capture key)."""
+
+    def restore_records(
+        self, records: Sequence[Mapping[str, Any]], renames: Mapping[str, str]
+    ) -> None:
+        """Install exported records, each under the new capture key ``renames`` gives."""
+
+    def discard(self, capture_key: str) -> None:
+        """Free what is held for an episode that will not continue."""

@@ -16,14 +16,20 @@ step and continued elsewhere to the same result.
 Example fields (keys starting with ``_`` are the trainer's and are ignored):
 ``seed`` (int >= 0), ``meetings`` (1-12 requests), ``think_s`` (seconds the policy "thinks"
 before each step; lets a batch take as long as a real one), ``fail_at_step`` (raise an
-environment fault at that step: the failure path, on demand).
+environment fault at that step: the failure path, on demand), ``step_mode`` (``wait``, the
+default, or ``replay``: a step's only side effect is its booking at the very end, so a
+checkpoint may cut the thinking short and the step runs again after restore).
+
+For checkpoints the runner is a state participant: the calendar store is exported and restored
+with the episodes (``StateParticipant``), keyed by each episode's capture key.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Mapping, Sequence
+from functools import partial
+from typing import Any, Final, Literal
 
 import attrs
 import pydantic
@@ -31,7 +37,7 @@ import trio
 from pydantic import BaseModel, ConfigDict, Field
 
 from trio_gym.config import describe_validation_error
-from trio_gym.runners.base import ExampleContext
+from trio_gym.runners.base import ExampleContext, StepInterrupted
 
 DAY_START: Final = 9 * 60  # minutes after midnight
 DAY_END: Final = 13 * 60  # a short morning, so some requests do not fit and rewards vary
@@ -49,6 +55,7 @@ class ExampleTask(BaseModel):
     meetings: int = Field(default=3, ge=1, le=12)
     think_s: float = Field(default=0.0, ge=0, le=3600, allow_inf_nan=False)
     fail_at_step: int | None = Field(default=None, ge=0)
+    step_mode: Literal["wait", "replay"] = "wait"
 
     @classmethod
     def from_example(cls, example: Mapping[str, Any]) -> ExampleTask:
@@ -214,7 +221,10 @@ def result_of(state: EpisodeState, events: list[Event]) -> dict[str, Any]:
 
 
 class ExampleRunner:
-    """Runs calendar episodes; the default runner."""
+    """Runs calendar episodes; the default runner. Its store is a checkpoint participant."""
+
+    participant = ("calendar", "side_effect_store")
+    reports_boundaries = True
 
     def __init__(self) -> None:
         self.store = CalendarStore()
@@ -223,18 +233,16 @@ class ExampleRunner:
         ExampleTask.from_example(example)
 
     async def run_example(self, example: Mapping[str, Any], context: ExampleContext) -> Any:
-        state = EpisodeState.begin(ExampleTask.from_example(example))
         key = context.example_key
-        self.store.open(key)
+        if context.restored is not None:  # its calendar came back with the export
+            state = EpisodeState.from_json(context.restored)
+        else:
+            state = EpisodeState.begin(ExampleTask.from_example(example))
+            self.store.open(key)
         try:
             return await self.continue_episode(state, key, context)
         finally:
             self.store.close(key)
-
-    def snapshot(self, state: EpisodeState, key: str) -> dict[str, Any]:
-        """The episode at a step boundary as plain JSON: its state and its side effects."""
-        events = [attrs.asdict(event) for event in self.store.events(key)]
-        return {"state": state.to_json(), "events": events}
 
     async def continue_episode(
         self, state: EpisodeState, key: str, context: ExampleContext
@@ -243,9 +251,35 @@ class ExampleRunner:
 
         Reports every boundary, the first (nothing done yet) and the last (all done) included.
         """
-        await context.boundary(state.step, self.snapshot(state, key))
-        while not state.done:
-            await trio.sleep(state.task.think_s)
-            state = advance(state, self.store, key)
-            await context.boundary(state.step, self.snapshot(state, key))
-        return result_of(state, self.store.events(key))
+        while True:
+            await context.boundary(state.step, state.to_json())
+            if state.done:
+                return result_of(state, self.store.events(key))
+            try:
+                state = await context.run_step(
+                    partial(self._step, state, key), mode=state.task.step_mode
+                )
+            except StepInterrupted:
+                continue  # cut short before its side effect: back to the boundary
+
+    async def _step(self, state: EpisodeState, key: str) -> EpisodeState:
+        await trio.sleep(state.task.think_s)  # the policy thinks
+        return advance(state, self.store, key)  # the side effect, at the very end
+
+    # --- StateParticipant ---------------------------------------------------------------
+
+    def export_records(self, capture_keys: Sequence[str]) -> list[dict[str, Any]]:
+        return [
+            {"capture_key": key, "events": [attrs.asdict(e) for e in self.store.events(key)]}
+            for key in capture_keys
+        ]
+
+    def restore_records(
+        self, records: Sequence[Mapping[str, Any]], renames: Mapping[str, str]
+    ) -> None:
+        for record in records:
+            events = [Event(**event) for event in record["events"]]
+            self.store.open(renames[record["capture_key"]], events)
+
+    def discard(self, capture_key: str) -> None:
+        self.store.close(capture_key)

@@ -1,0 +1,432 @@
+"""The host as a checkpoint participant (DESIGN §3.4): phases, lease, export, restore, retire.
+
+Phases, and the operations that move between them (anything else is ``wrong_phase``)::
+
+    idle      --prepare-->  preparing  --(all parked)-->  prepared  --commit-->  committed
+    idle      --restore-->  restored
+    any       --resume, or the lease expiring-->  idle
+    idle, restored:  retire, forget
+
+Every call names a ``checkpoint_id``. While one is active, another id is
+``checkpoint_conflict``; an id already resumed is ``stale_checkpoint``; an operation that
+completed replays its reply. ``prepare`` closes admission and waits — on the episode registry's
+changes, never by polling — until every capturable episode is parked at a step boundary, or its
+deadline; ``preparing`` replies name the blockers. Time spent with admission closed is added
+back to every running batch's deadline on resume.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import trio
+
+from trio_gym.errors import ErrorCode, WireError
+from trio_gym.logs import log_event
+from trio_gym.runners.base import StateParticipant
+
+from .episodes import EpisodeId, Episodes, LiveEpisode, RestoredEpisode
+from .export import FORMAT, ParticipantExport, invalid, publish_manifest, read_export, write_records
+
+HOST_PARTICIPANT: Final = ("host", "episodes")
+SAMPLE: Final = 16  # blockers and restarts listed by name in a reply; the count is always whole
+REMEMBERED_IDS: Final = 4096  # resumed ids kept to refuse them as stale; older ones are forgotten
+
+
+class Phase(enum.StrEnum):
+    IDLE = "idle"
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+    RESTORED = "restored"
+
+
+def _sample(keys: Iterable[str]) -> dict[str, Any]:
+    keys = sorted(keys)
+    return {"count": len(keys), "sample": keys[:SAMPLE]}
+
+
+class Checkpoints:
+    """The checkpoint state machine of one host process."""
+
+    def __init__(
+        self,
+        episodes: Episodes,
+        participant: Callable[[], StateParticipant | None],
+        *,
+        wall_time: Callable[[], float],
+    ) -> None:
+        self.episodes = episodes
+        self._participant = participant
+        self._wall_time = wall_time
+        self.phase = Phase.IDLE
+        self.checkpoint_id: str | None = None
+        self.lease_until: float | None = None
+        self._closed_at: float | None = None
+        self._replies: dict[tuple[str, str], dict[str, Any]] = {}
+        self._commit_scope: tuple[str, tuple[str, ...] | None] | None = None
+        self._resumed: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._export: trio.CancelScope | None = None
+        self._lease_changed = trio.Event()
+        self.batch_scopes: set[trio.CancelScope] = set()
+
+    # --- time ---------------------------------------------------------------------------
+
+    def trio_deadline(self, wall_deadline: float) -> float:
+        """An absolute wall-clock deadline (seconds since the epoch) on trio's clock."""
+        return trio.current_time() + (wall_deadline - self._wall_time())
+
+    def wall(self, trio_time: float) -> float:
+        return self._wall_time() + (trio_time - trio.current_time())
+
+    def _set_lease(self, lease_s: float) -> None:
+        self.lease_until = trio.current_time() + lease_s
+        self._lease_changed.set()
+        self._lease_changed = trio.Event()
+
+    async def watch_lease(self) -> None:
+        """Resume the host when a lease runs out unrenewed. Runs for the server's lifetime."""
+        while True:
+            changed = self._lease_changed
+            if self.lease_until is None:
+                await changed.wait()
+                continue
+            with trio.move_on_at(self.lease_until):
+                await changed.wait()
+                continue
+            if self.checkpoint_id is not None:
+                log_event("lease_expired", checkpoint_id=self.checkpoint_id)
+                self._resume(self.checkpoint_id)
+
+    # --- the id rules -------------------------------------------------------------------
+
+    def _check_id(self, checkpoint_id: str) -> None:
+        if checkpoint_id in self._resumed:
+            raise WireError(
+                ErrorCode.STALE_CHECKPOINT,
+                f"checkpoint {checkpoint_id} was already resumed; start a new one with a new id",
+            )
+        if self.checkpoint_id is not None and checkpoint_id != self.checkpoint_id:
+            raise WireError(
+                ErrorCode.CHECKPOINT_CONFLICT,
+                f"checkpoint {self.checkpoint_id} is {self.phase.value}; resume it before "
+                f"{checkpoint_id}",
+            )
+
+    def _wrong_phase(self, operation: str, needs: str) -> WireError:
+        return WireError(
+            ErrorCode.WRONG_PHASE,
+            f"{operation} needs the host {needs}; it is {self.phase.value}"
+            + (f" (checkpoint {self.checkpoint_id})" if self.checkpoint_id else ""),
+        )
+
+    # --- operations ---------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase.value,
+            "checkpoint_id": self.checkpoint_id,
+            "admission": "open" if self.episodes.admission_open else "closed",
+            "lease_expires_at": self.wall(self.lease_until) if self.lease_until else None,
+            "counts": {
+                "running": len(self.episodes.live) - len(self.episodes.parked()),
+                "parked": len(self.episodes.parked()),
+                "restored": len(self.episodes.restored),
+                "retired": len(self.episodes.retired),
+            },
+        }
+
+    async def prepare(self, checkpoint_id: str, deadline: float, lease_s: float) -> dict[str, Any]:
+        self._check_id(checkpoint_id)
+        if replay := self._replies.get(("prepare", checkpoint_id)):
+            return replay
+        if self.phase is Phase.IDLE:
+            self.phase, self.checkpoint_id = Phase.PREPARING, checkpoint_id
+            self._closed_at = trio.current_time()
+            self.episodes.start_parking()
+            log_event("checkpoint_preparing", checkpoint_id=checkpoint_id)
+        elif self.phase is not Phase.PREPARING:
+            raise self._wrong_phase("prepare", "idle")
+        self._set_lease(lease_s)
+        with trio.move_on_at(self.trio_deadline(deadline)):
+            while self.episodes.blockers() and self.phase is Phase.PREPARING:
+                await self.episodes.wait_for_change()
+        if self.checkpoint_id != checkpoint_id:  # resumed (or lease lost) while waiting
+            raise WireError(
+                ErrorCode.STALE_CHECKPOINT, f"checkpoint {checkpoint_id} was resumed meanwhile"
+            )
+        blockers = [live.id.capture_key for live in self.episodes.blockers()]
+        reply: dict[str, Any] = {
+            "phase": Phase.PREPARING.value,
+            "checkpoint_id": checkpoint_id,
+            "admission": "closed",
+            "parked": _sample(live.id.capture_key for live in self.episodes.parked()),
+            "blockers": _sample(blockers),
+            "restarts": _sample(live.id.capture_key for live in self.episodes.restarts()),
+            "lease_expires_at": self.wall(self.lease_until or 0),
+        }
+        if not blockers:
+            self.phase = Phase.PREPARED
+            reply["phase"] = Phase.PREPARED.value
+            self._replies[("prepare", checkpoint_id)] = reply
+            log_event("checkpoint_prepared", checkpoint_id=checkpoint_id, parked=reply["parked"])
+        return reply
+
+    def renew(self, checkpoint_id: str, lease_s: float) -> dict[str, Any]:
+        self._check_id(checkpoint_id)
+        if self.checkpoint_id is None:
+            raise self._wrong_phase("renew", "in a checkpoint")
+        self._set_lease(lease_s)
+        return {
+            "phase": self.phase.value,
+            "checkpoint_id": checkpoint_id,
+            "lease_expires_at": self.wall(self.lease_until or 0),
+        }
+
+    async def commit(
+        self,
+        checkpoint_id: str,
+        deadline: float,
+        directory: Path,
+        capture_keys: Sequence[str] | None,
+    ) -> dict[str, Any]:
+        self._check_id(checkpoint_id)
+        scope = (str(directory), tuple(sorted(capture_keys)) if capture_keys is not None else None)
+        if replay := self._replies.get(("commit", checkpoint_id)):
+            if self._commit_scope != scope:
+                raise WireError(
+                    ErrorCode.CHECKPOINT_CONFLICT,
+                    f"checkpoint {checkpoint_id} was committed to another directory or scope",
+                )
+            return replay
+        if self.phase is not Phase.PREPARED:
+            raise self._wrong_phase("commit", "prepared")
+        if self.episodes.blockers():
+            raise self._wrong_phase("commit", "prepared with every episode parked")
+        parked = {live.id.capture_key: live for live in self.episodes.parked()}
+        keys = sorted(parked) if capture_keys is None else sorted(capture_keys)
+        missing = [key for key in keys if key not in parked]
+        if missing:
+            raise WireError(
+                ErrorCode.CHECKPOINT_CONFLICT,
+                f"{len(missing)} capture key(s) in scope are not parked here: {missing[:SAMPLE]}",
+            )
+        episodes = [parked[key] for key in keys]
+        participant = self._participant()
+        # Gathered here, on the trio thread; only the file I/O goes to a worker thread.
+        records = [(*HOST_PARTICIPANT, [_host_record(live) for live in episodes])]
+        if participant is not None:
+            records.append((*participant.participant, participant.export_records(keys)))
+        with trio.move_on_at(self.trio_deadline(deadline)) as self._export:
+            exports = await trio.to_thread.run_sync(_write_all, directory, records)
+            manifest = _manifest(checkpoint_id, exports, episodes)
+            if self._export.cancel_called:
+                raise WireError(ErrorCode.STALE_CHECKPOINT, "resumed before the export finished")
+            path = await trio.to_thread.run_sync(publish_manifest, directory, manifest)
+        if self._export.cancelled_caught:
+            self._export = None
+            if self.checkpoint_id != checkpoint_id:
+                raise WireError(
+                    ErrorCode.STALE_CHECKPOINT,
+                    f"checkpoint {checkpoint_id} was resumed before its export was published",
+                )
+            raise WireError(
+                ErrorCode.DEADLINE_EXCEEDED, "the export did not finish before the call's deadline"
+            )
+        self._export = None
+        self.phase = Phase.COMMITTED
+        reply = {
+            "phase": Phase.COMMITTED.value,
+            "checkpoint_id": checkpoint_id,
+            "directory": str(directory),
+            "manifest": str(path),
+            "participants": [export.to_json() for export in exports],
+            "capture_keys": keys,
+        }
+        self._replies[("commit", checkpoint_id)] = reply
+        self._commit_scope = scope
+        log_event("checkpoint_committed", checkpoint_id=checkpoint_id, episodes=len(keys))
+        return reply
+
+    def resume(self, checkpoint_id: str) -> dict[str, Any]:
+        """Reopen admission and release parked episodes. Idempotent; it is also the abort."""
+        if replay := self._resumed.get(checkpoint_id):
+            return replay
+        if self.checkpoint_id is not None and checkpoint_id != self.checkpoint_id:
+            raise WireError(
+                ErrorCode.CHECKPOINT_CONFLICT,
+                f"checkpoint {self.checkpoint_id} is active; {checkpoint_id} is not it",
+            )
+        return self._resume(checkpoint_id)
+
+    def _resume(self, checkpoint_id: str) -> dict[str, Any]:
+        if self._export is not None:
+            self._export.cancel()  # an unfinished export must never publish
+        if self._closed_at is not None:
+            paused = trio.current_time() - self._closed_at
+            for scope in self.batch_scopes:
+                scope.deadline += paused
+        self.episodes.release(reopen=True)
+        self.phase, self.checkpoint_id, self.lease_until, self._closed_at = (
+            Phase.IDLE,
+            None,
+            None,
+            None,
+        )
+        self._lease_changed.set()
+        self._lease_changed = trio.Event()
+        reply = {"phase": Phase.IDLE.value, "checkpoint_id": checkpoint_id, "admission": "open"}
+        self._resumed[checkpoint_id] = reply
+        while len(self._resumed) > REMEMBERED_IDS:
+            self._resumed.popitem(last=False)
+        log_event("checkpoint_resumed", checkpoint_id=checkpoint_id)
+        return reply
+
+    async def restore(
+        self,
+        checkpoint_id: str,
+        deadline: float,
+        directory: Path,
+        capture_keys: Sequence[str] | None,
+        lease_s: float,
+    ) -> dict[str, Any]:
+        self._check_id(checkpoint_id)
+        if replay := self._replies.get(("restore", checkpoint_id)):
+            return replay
+        if self.phase is not Phase.IDLE:
+            raise self._wrong_phase("restore", "idle")
+        with trio.move_on_at(self.trio_deadline(deadline)) as timer:
+            export = await trio.to_thread.run_sync(read_export, directory)
+        if timer.cancelled_caught:
+            raise WireError(ErrorCode.DEADLINE_EXCEEDED, "the export could not be read in time")
+        participant = self._participant()
+        expected = {HOST_PARTICIPANT} | ({participant.participant} if participant else set())
+        if set(export.records) != expected:
+            raise invalid(
+                f"{directory}: the export's participants {sorted(export.records)} are not this "
+                f"host's {sorted(expected)}; nothing was restored"
+            )
+        episodes = {record["capture_key"]: record for record in export.records[HOST_PARTICIPANT]}
+        keys = sorted(episodes) if capture_keys is None else sorted(capture_keys)
+        missing = [key for key in keys if key not in episodes]
+        if missing:
+            raise invalid(
+                f"{directory}: {len(missing)} capture key(s) not exported: {missing[:SAMPLE]}"
+            )
+        restored = [
+            RestoredEpisode(
+                EpisodeId(episodes[key]["rollout_id"], episodes[key]["attempt"] + 1),
+                episodes[key]["step"],
+                episodes[key]["state"],
+            )
+            for key in keys
+        ]
+        renames = {key: episode.id.capture_key for key, episode in zip(keys, restored, strict=True)}
+        if participant is not None:
+            records = [
+                r for r in export.records[participant.participant] if r["capture_key"] in renames
+            ]
+            participant.restore_records(records, renames)
+        self.episodes.install(restored)
+        self.episodes.close_admission()
+        self.phase, self.checkpoint_id = Phase.RESTORED, checkpoint_id
+        self._closed_at = trio.current_time()
+        self._set_lease(lease_s)
+        reply = {
+            "phase": Phase.RESTORED.value,
+            "checkpoint_id": checkpoint_id,
+            "admission": "closed",
+            "source_checkpoint_id": export.manifest.get("checkpoint_id"),
+            "restored": [
+                {
+                    "rollout_id": episode.id.rollout_id,
+                    "attempt": episode.id.attempt,
+                    "capture_key": episode.id.capture_key,
+                    "step": episode.step,
+                }
+                for episode in restored
+            ],
+        }
+        self._replies[("restore", checkpoint_id)] = reply
+        log_event("checkpoint_restored", checkpoint_id=checkpoint_id, episodes=len(restored))
+        return reply
+
+    async def retire(
+        self, checkpoint_id: str, deadline: float, rollouts: Sequence[tuple[str, int]]
+    ) -> dict[str, Any]:
+        if replay := self._replies.get(("retire", checkpoint_id)):
+            return replay
+        if self.phase not in (Phase.IDLE, Phase.RESTORED):
+            raise self._wrong_phase("retire", "idle or restored (not while a checkpoint is open)")
+        stopping: list[LiveEpisode] = []
+        participant = self._participant()
+        for rollout_id, attempt in rollouts:
+            cancelled, dropped = self.episodes.retire(rollout_id, attempt)
+            stopping.extend(cancelled)
+            for key in dropped:
+                if participant is not None:
+                    participant.discard(key)
+        with trio.move_on_at(self.trio_deadline(deadline)):
+            while any(self.episodes.live.get(live.id.capture_key) is live for live in stopping):
+                await self.episodes.wait_for_change()
+        still = [
+            live.id.capture_key
+            for live in stopping
+            if self.episodes.live.get(live.id.capture_key) is live
+        ]
+        reply = {
+            "checkpoint_id": checkpoint_id,
+            "retired": [{"rollout_id": rid, "attempt": attempt} for rid, attempt in rollouts],
+            "stopped": len(stopping) - len(still),
+            "still_stopping": _sample(still),
+        }
+        if not still:
+            self._replies[("retire", checkpoint_id)] = reply
+        return reply
+
+    def forget(self, checkpoint_id: str, rollout_ids: Sequence[str] | None) -> dict[str, Any]:
+        if replay := self._replies.get(("forget", checkpoint_id)):
+            return replay
+        reply = {"checkpoint_id": checkpoint_id, "forgotten": self.episodes.forget(rollout_ids)}
+        self._replies[("forget", checkpoint_id)] = reply
+        return reply
+
+
+def _host_record(live: LiveEpisode) -> dict[str, Any]:
+    return {
+        "capture_key": live.id.capture_key,
+        "rollout_id": live.id.rollout_id,
+        "attempt": live.id.attempt,
+        "step": live.step,
+        "state": live.state,
+    }
+
+
+def _write_all(
+    directory: Path, records: Sequence[tuple[str, str, list[dict[str, Any]]]]
+) -> list[ParticipantExport]:
+    """Every participant's records file (runs in a worker thread: it is file I/O)."""
+    return [write_records(directory, name, kind, rows) for name, kind, rows in records]
+
+
+def _manifest(
+    checkpoint_id: str, exports: Sequence[ParticipantExport], episodes: Sequence[LiveEpisode]
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "checkpoint_id": checkpoint_id,
+        "participants": [export.to_json() for export in exports],
+        "episodes": [
+            {
+                "capture_key": live.id.capture_key,
+                "rollout_id": live.id.rollout_id,
+                "attempt": live.id.attempt,
+                "step": live.step,
+            }
+            for live in episodes
+        ],
+    }

@@ -1,0 +1,177 @@
+"""``/control/v1/checkpoint/...``: the checkpoint control plane over HTTP.
+
+Bearer-token protected (``control_token`` / ``NMP_CONTROL_TOKEN``; without one configured the
+control plane is off and its paths are 404). ``GET .../status``; every other operation is a
+``POST`` of a JSON object with ``checkpoint_id`` and ``deadline`` (an absolute time, seconds
+since the epoch), answered with a JSON object. The request and reply shapes are listed in
+NOTES.md; refusals use the error envelope (401, 400, 409 ``stale_checkpoint`` /
+``checkpoint_conflict`` / ``wrong_phase``, 422 ``export_invalid``, 504 ``deadline_exceeded``).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, Final
+
+import h11
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from trio_gym.config import describe_validation_error
+from trio_gym.errors import ErrorCode, WireError
+from trio_gym.http import HttpConnection, read_body, send_json
+
+from .state import Host
+
+PREFIX: Final = "/control/v1/checkpoint/"
+MAX_CONTROL_BODY: Final = 1024 * 1024
+
+CheckpointId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")]
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class Call(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    checkpoint_id: CheckpointId
+    deadline: Annotated[float, Field(allow_inf_nan=False)]
+
+
+class Prepare(Call):
+    lease_s: Seconds = 60.0
+
+
+class Renew(Call):
+    lease_s: Seconds = 60.0
+
+
+class Commit(Call):
+    directory: str
+    capture_keys: list[str] | None = None
+
+
+class Resume(Call):
+    pass
+
+
+class Restore(Call):
+    directory: str
+    capture_keys: list[str] | None = None
+    lease_s: Seconds = 60.0
+
+
+class RetireRollout(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    rollout_id: Annotated[str, Field(min_length=1)]
+    attempt: Annotated[int, Field(ge=0)]
+
+
+class Retire(Call):
+    rollouts: list[RetireRollout]
+
+
+class Forget(Call):
+    rollout_ids: list[str] | None = None
+
+
+def _absolute(directory: str) -> Path:
+    path = Path(directory)
+    if not path.is_absolute():
+        raise WireError(ErrorCode.INVALID_REQUEST, f"directory {directory!r} must be absolute")
+    return path
+
+
+async def _prepare(host: Host, call: Prepare) -> dict[str, Any]:
+    return await host.checkpoints.prepare(call.checkpoint_id, call.deadline, call.lease_s)
+
+
+async def _renew(host: Host, call: Renew) -> dict[str, Any]:
+    return host.checkpoints.renew(call.checkpoint_id, call.lease_s)
+
+
+async def _commit(host: Host, call: Commit) -> dict[str, Any]:
+    directory = _absolute(call.directory)
+    return await host.checkpoints.commit(
+        call.checkpoint_id, call.deadline, directory, call.capture_keys
+    )
+
+
+async def _resume(host: Host, call: Resume) -> dict[str, Any]:
+    return host.checkpoints.resume(call.checkpoint_id)
+
+
+async def _restore(host: Host, call: Restore) -> dict[str, Any]:
+    directory = _absolute(call.directory)
+    return await host.checkpoints.restore(
+        call.checkpoint_id, call.deadline, directory, call.capture_keys, call.lease_s
+    )
+
+
+async def _retire(host: Host, call: Retire) -> dict[str, Any]:
+    rollouts = [(rollout.rollout_id, rollout.attempt) for rollout in call.rollouts]
+    return await host.checkpoints.retire(call.checkpoint_id, call.deadline, rollouts)
+
+
+async def _forget(host: Host, call: Forget) -> dict[str, Any]:
+    return host.checkpoints.forget(call.checkpoint_id, call.rollout_ids)
+
+
+Operation = tuple[type[Call], Callable[[Host, Any], Awaitable[dict[str, Any]]]]
+OPERATIONS: Final[dict[str, Operation]] = {
+    "prepare": (Prepare, _prepare),
+    "renew": (Renew, _renew),
+    "commit": (Commit, _commit),
+    "resume": (Resume, _resume),
+    "restore": (Restore, _restore),
+    "retire": (Retire, _retire),
+    "forget": (Forget, _forget),
+}
+
+
+def control_paths() -> list[str]:
+    return [f"{PREFIX}status", *(f"{PREFIX}{name}" for name in OPERATIONS)]
+
+
+def _authorize(host: Host, head: h11.Request) -> None:
+    token = host.config.control_token
+    if not token:
+        raise WireError(
+            ErrorCode.NOT_FOUND,
+            "the checkpoint control plane is off; set NMP_CONTROL_TOKEN to turn it on",
+        )
+    given = b""
+    for name, value in head.headers:
+        if name == b"authorization" and value[:7].lower() == b"bearer ":
+            given = value[7:].strip()
+    if not hmac.compare_digest(given, token.encode()):
+        raise WireError(
+            ErrorCode.UNAUTHORIZED,
+            "the control plane needs 'Authorization: Bearer <NMP_CONTROL_TOKEN>'",
+            headers=[("www-authenticate", "Bearer")],
+        )
+
+
+async def answer_status(host: Host, conn: HttpConnection, head: h11.Request) -> None:
+    _authorize(host, head)
+    await send_json(conn, 200, host.checkpoints.status())
+
+
+async def answer_operation(host: Host, conn: HttpConnection, head: h11.Request) -> None:
+    _authorize(host, head)
+    name = head.target.decode("ascii", "replace").partition("?")[0].rsplit("/", 1)[-1]
+    model, operation = OPERATIONS[name]
+    body = await read_body(
+        conn, head, max_bytes=MAX_CONTROL_BODY, idle_timeout_s=host.limits.read_timeout_s
+    )
+    try:
+        call = model.model_validate(json.loads(body))
+    except (ValueError, RecursionError) as exc:
+        detail = (
+            describe_validation_error(exc) if isinstance(exc, pydantic.ValidationError) else exc
+        )
+        raise WireError(ErrorCode.INVALID_REQUEST, f"{name}: {detail}") from exc
+    await send_json(conn, 200, await operation(host, call))

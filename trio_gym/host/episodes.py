@@ -1,0 +1,299 @@
+"""Episodes: their identity, admission, and what happens at their step boundaries.
+
+Every example the host runs is an *episode* with a rollout id (``_ng_rollout_id``, else
+``"{_ng_task_index}-{_ng_rollout_index}"``, else one assigned here) and an attempt
+(``_ng_attempt_index``, default 0). Its *capture key* is the rollout id, with ``-a<N>`` appended
+for attempt N > 0: the name it has in checkpoints.
+
+The registry admits episodes one at a time, synchronously (so admission and registration are one
+step): a capture key already running, a retired attempt, or an attempt older than a restored
+one is ``stale_attempt``; while admission is closed (a checkpoint), a new episode is
+``admission_closed``, but a restored episode's own re-dispatch is admitted. It also implements
+the runner's :class:`~trio_gym.runners.base.EpisodeHooks`: at a boundary an episode records its
+state and, while a checkpoint wants episodes parked, waits there; a ``replay`` step is run in a
+cancel scope that a checkpoint may cancel.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, Final, TypeVar
+
+import attrs
+import trio
+
+from trio_gym.errors import ErrorCode, WireError
+from trio_gym.runners.base import ExampleContext, StepInterrupted, StepMode
+
+T = TypeVar("T")
+
+ROLLOUT_ID_KEY: Final = "_ng_rollout_id"
+ATTEMPT_KEY: Final = "_ng_attempt_index"
+TASK_KEY: Final = "_ng_task_index"
+ROLLOUT_KEY: Final = "_ng_rollout_index"
+
+
+@attrs.frozen
+class EpisodeId:
+    rollout_id: str
+    attempt: int
+
+    @property
+    def capture_key(self) -> str:
+        return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
+
+    @classmethod
+    def of(cls, example: Mapping[str, Any], assigned: str) -> EpisodeId:
+        """The example's identity; ``assigned`` is the rollout id when it carries none.
+
+        Raises ``ValueError`` for identity keys of the wrong type.
+        """
+        attempt = example.get(ATTEMPT_KEY, 0)
+        if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+            raise ValueError(f"{ATTEMPT_KEY} must be a non-negative integer, not {attempt!r}")
+        rollout_id = example.get(ROLLOUT_ID_KEY)
+        if rollout_id is None:
+            task, rollout = example.get(TASK_KEY), example.get(ROLLOUT_KEY)
+            rollout_id = (
+                f"{task}-{rollout}" if task is not None and rollout is not None else assigned
+            )
+        if not isinstance(rollout_id, str) or not rollout_id:
+            raise ValueError(f"{ROLLOUT_ID_KEY} must be a non-empty string, not {rollout_id!r}")
+        return cls(rollout_id, attempt)
+
+
+class Admission(enum.Enum):
+    NEW = "new"
+    RESTORED = "restored"
+
+
+@attrs.define(eq=False)
+class LiveEpisode:
+    """An episode being run (or parked) in this process."""
+
+    id: EpisodeId
+    batch_id: str
+    index: int
+    restored: Mapping[str, Any] | None = None
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    """Cancelled by ``retire``; the episode then ends as ``stale_attempt``."""
+    step: int | None = None
+    state: Mapping[str, Any] | None = None
+    parked: bool = False
+    replay_scope: trio.CancelScope | None = None
+
+    @property
+    def reported_a_boundary(self) -> bool:
+        return self.step is not None
+
+
+@attrs.frozen
+class RestoredEpisode:
+    """An episode installed from an export, waiting for its one re-dispatch."""
+
+    id: EpisodeId
+    step: int
+    state: Mapping[str, Any]
+
+
+class Episodes:
+    """Every episode this host knows: running, parked, restored, retired.
+
+    All changes are synchronous; waiters sleep on :meth:`wait_for_change` and are woken by
+    every change, never by polling.
+    """
+
+    def __init__(self, *, runner_reports_boundaries: Callable[[], bool]) -> None:
+        self.live: dict[str, LiveEpisode] = {}
+        self.restored: dict[str, RestoredEpisode] = {}
+        self.retired: dict[str, int] = {}
+        """Rollout id -> the highest attempt refused until ``forget``."""
+        self.superseded: dict[str, int] = {}
+        """Rollout id -> the attempt a restore installed; older attempts are stale."""
+        self.consumed: set[str] = set()
+        """Capture keys of restored episodes already re-dispatched (exactly once)."""
+        self.admission_open = True
+        self.parking = False
+        self.boundaries = 0
+        self._release: trio.Event = trio.Event()
+        self._changed = trio.Event()
+        self._reports_boundaries = runner_reports_boundaries
+
+    # --- changes and waiting ------------------------------------------------------------
+
+    def _note(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for_change(self) -> None:
+        await self._changed.wait()
+
+    # --- admission ------------------------------------------------------------------------
+
+    def assign_rollout_id(self, batch_id: str, index: int) -> str:
+        return f"{batch_id}-{index}"
+
+    def refusal(self, episode: EpisodeId) -> WireError | None:
+        """Why ``episode`` may not start now, or ``None`` (it may)."""
+        key = episode.capture_key
+        if key in self.live:
+            return _stale(f"{key} is already running on this host")
+        retired = self.retired.get(episode.rollout_id)
+        if retired is not None and episode.attempt <= retired:
+            return _stale(
+                f"rollout {episode.rollout_id} was retired up to attempt {retired}; "
+                f"send a later attempt (this one is {episode.attempt})"
+            )
+        if key in self.consumed:
+            return _stale(f"the restored episode {key} was already dispatched once")
+        current = self.superseded.get(episode.rollout_id)
+        if current is not None and episode.attempt < current:
+            return _stale(
+                f"rollout {episode.rollout_id} was restored as attempt {current}; "
+                f"attempt {episode.attempt} is stale"
+            )
+        if key in self.restored:
+            return None
+        if not self.admission_open:
+            return WireError(
+                ErrorCode.ADMISSION_CLOSED,
+                "a checkpoint is in progress and new episodes wait until it ends; retry after "
+                "Retry-After seconds (no attempt is spent)",
+                headers=[("retry-after", "1")],
+            )
+        return None
+
+    def admit_or_refuse(
+        self, episode: EpisodeId, batch_id: str, index: int
+    ) -> LiveEpisode | WireError:
+        """Admit ``episode`` now, or say why not; one synchronous step."""
+        refusal = self.refusal(episode)
+        return refusal if refusal is not None else self.admit(episode, batch_id, index)
+
+    def admit(self, episode: EpisodeId, batch_id: str, index: int) -> LiveEpisode:
+        """Register an episode that :meth:`refusal` allowed; synchronous with that check."""
+        restored = self.restored.pop(episode.capture_key, None)
+        if restored is not None:
+            self.consumed.add(episode.capture_key)
+        live = LiveEpisode(
+            episode, batch_id, index, restored=restored.state if restored is not None else None
+        )
+        self.live[episode.capture_key] = live
+        self._note()
+        return live
+
+    def end(self, live: LiveEpisode) -> None:
+        if self.live.get(live.id.capture_key) is live:
+            del self.live[live.id.capture_key]
+            self._note()
+
+    # --- the runner's hooks -----------------------------------------------------------------
+
+    async def boundary(self, context: ExampleContext, step: int, state: Mapping[str, Any]) -> None:
+        live = self.live[context.capture_key]
+        live.step, live.state = step, state
+        self.boundaries += 1
+        while self.parking:
+            live.parked = True
+            self._note()
+            await self._release.wait()
+        if live.parked:
+            live.parked = False
+            self._note()
+        await trio.lowlevel.checkpoint()
+
+    async def run_step(
+        self, context: ExampleContext, step: Callable[[], Awaitable[T]], mode: StepMode
+    ) -> T:
+        if mode == "wait":
+            return await step()
+        live = self.live[context.capture_key]
+        if self.parking:
+            raise StepInterrupted("a checkpoint is parking episodes")
+        with trio.CancelScope() as scope:
+            live.replay_scope = scope
+            try:
+                return await step()
+            finally:
+                live.replay_scope = None
+        raise StepInterrupted("a checkpoint cut this replay step short")
+
+    # --- what checkpoints do ----------------------------------------------------------------
+
+    def start_parking(self) -> None:
+        """Close admission and ask every episode to park at its next boundary."""
+        self.admission_open = False
+        self.parking = True
+        for live in self.live.values():
+            if live.replay_scope is not None:
+                live.replay_scope.cancel()
+        self._note()
+
+    def release(self, *, reopen: bool) -> None:
+        """Let parked episodes continue; reopen admission if asked."""
+        self.parking = False
+        self.admission_open = self.admission_open or reopen
+        self._release.set()
+        self._release = trio.Event()
+        self._note()
+
+    def close_admission(self) -> None:
+        self.admission_open = False
+        self._note()
+
+    def blockers(self) -> list[LiveEpisode]:
+        """Capturable episodes not yet parked: what ``prepare`` waits for."""
+        return [live for live in self.live.values() if self._capturable(live) and not live.parked]
+
+    def restarts(self) -> list[LiveEpisode]:
+        """Episodes that cannot be captured: listed, never waited for, never exported."""
+        return [live for live in self.live.values() if not self._capturable(live)]
+
+    def parked(self) -> list[LiveEpisode]:
+        return [live for live in self.live.values() if live.parked]
+
+    def _capturable(self, live: LiveEpisode) -> bool:
+        return live.reported_a_boundary or self._reports_boundaries()
+
+    def install(self, restored: Iterable[RestoredEpisode]) -> None:
+        for episode in restored:
+            self.restored[episode.id.capture_key] = episode
+            self.superseded[episode.id.rollout_id] = episode.id.attempt
+        self._note()
+
+    def retire(self, rollout_id: str, attempt: int) -> tuple[list[LiveEpisode], list[str]]:
+        """Refuse ``rollout_id`` up to ``attempt``; cancel its live episodes, drop restored ones.
+
+        Returns the cancelled live episodes (to wait for) and the dropped restored capture keys.
+        """
+        self.retired[rollout_id] = max(attempt, self.retired.get(rollout_id, -1))
+        cancelled = [
+            live
+            for live in self.live.values()
+            if live.id.rollout_id == rollout_id and live.id.attempt <= attempt
+        ]
+        for live in cancelled:
+            live.scope.cancel()
+        dropped = [
+            key
+            for key, episode in self.restored.items()
+            if episode.id.rollout_id == rollout_id and episode.id.attempt <= attempt
+        ]
+        for key in dropped:
+            del self.restored[key]
+        self._note()
+        return cancelled, dropped
+
+    def forget(self, rollout_ids: Iterable[str] | None) -> int:
+        if rollout_ids is None:
+            count = len(self.retired)
+            self.retired.clear()
+        else:
+            count = sum(1 for rid in rollout_ids if self.retired.pop(rid, None) is not None)
+        self._note()
+        return count
+
+
+def _stale(message: str) -> WireError:
+    return WireError(ErrorCode.STALE_ATTEMPT, message)

@@ -1,0 +1,144 @@
+"""The on-disk form of a checkpoint export, written so that nothing half-written is restorable.
+
+::
+
+    <directory>/
+      participants/<kind>/<server_name>/<sha256>.jsonl   one JSON record per line
+      manifest.json                                      written last, created once
+
+Each participant's records go to a file named by the SHA-256 of its content, written to a
+temporary name, flushed to disk and renamed. The manifest is written last, with ``O_EXCL``:
+created once, never replaced. A crash before it leaves no manifest, and an export without a
+manifest is refused by restore. Reading verifies every file's digest and record count against
+the manifest before anything is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+
+from trio_gym.errors import ErrorCode, WireError
+from trio_gym.http import encode_json
+
+FORMAT: Final = "trio-gym-export-v1"
+MANIFEST: Final = "manifest.json"
+
+
+@attrs.frozen
+class ParticipantExport:
+    """One participant's part of an export, as the manifest and the commit reply name it."""
+
+    server_name: str
+    kind: str
+    state_directory: str
+    records_file: str
+    sha256: str
+    record_count: int
+    capture_keys: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**attrs.asdict(self), "capture_keys": list(self.capture_keys)}
+
+
+def invalid(message: str) -> WireError:
+    return WireError(ErrorCode.EXPORT_INVALID, message)
+
+
+def write_records(
+    directory: Path, server_name: str, kind: str, records: Sequence[Mapping[str, Any]]
+) -> ParticipantExport:
+    """Write one participant's records under their digest; return what the manifest lists."""
+    data = b"".join(encode_json(record) + b"\n" for record in records)
+    digest = hashlib.sha256(data).hexdigest()
+    folder = directory / "participants" / kind / server_name
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{digest}.jsonl"
+    temporary = folder / f".{digest}.jsonl.tmp"
+    with open(temporary, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, target)
+    keys = tuple(str(record["capture_key"]) for record in records)
+    return ParticipantExport(
+        server_name, kind, str(folder), target.name, digest, len(records), keys
+    )
+
+
+def publish_manifest(directory: Path, manifest: Mapping[str, Any]) -> Path:
+    """Create the manifest once. The same content again is accepted (a retried commit);
+    different content for an existing manifest is ``checkpoint_conflict``."""
+    path = directory / MANIFEST
+    data = json.dumps(manifest, indent=2, sort_keys=True).encode()
+    try:
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        if path.read_bytes() == data:
+            return path
+        raise WireError(
+            ErrorCode.CHECKPOINT_CONFLICT,
+            f"{path} already holds a different export; commit to a fresh directory",
+        ) from None
+    with os.fdopen(descriptor, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    directory_fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(directory_fd)
+    finally:
+        os.close(directory_fd)
+    return path
+
+
+@attrs.frozen
+class Export:
+    manifest: Mapping[str, Any]
+    records: Mapping[tuple[str, str], list[dict[str, Any]]]
+    """(server name, kind) -> that participant's verified records."""
+
+
+def read_export(directory: Path) -> Export:
+    """Read and verify an export; raises ``export_invalid`` naming the file at fault."""
+    path = directory / MANIFEST
+    try:
+        manifest = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise invalid(
+            f"{path} does not exist: the export was never completed (or is elsewhere)"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise invalid(f"{path} cannot be read as JSON: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise invalid(f"{path} is not a {FORMAT} manifest")
+    participants = manifest.get("participants")
+    if not isinstance(participants, list) or not participants:
+        raise invalid(f"{path} lists no participants (no topology): refused")
+    records: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for entry in participants:
+        records[(entry["server_name"], entry["kind"])] = _verified(directory, entry)
+    return Export(manifest, records)
+
+
+def _verified(directory: Path, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
+    file = directory / "participants" / entry["kind"] / entry["server_name"] / entry["records_file"]
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise invalid(f"{file}: cannot be read ({exc.strerror})") from exc
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != entry["sha256"]:
+        raise invalid(f"{file}: its SHA-256 is {digest}, the manifest says {entry['sha256']}")
+    lines = [json.loads(line) for line in data.splitlines() if line.strip()]
+    if len(lines) != entry["record_count"]:
+        raise invalid(
+            f"{file}: holds {len(lines)} records, the manifest says {entry['record_count']}"
+        )
+    return lines
