@@ -29,6 +29,10 @@ class CountingRunner:
         self.peak = 0
         self._changed = trio.Event()
 
+    def __getattr__(self, name: str) -> Any:
+        # Whatever else the wrapped runner offers (checkpoint participation, start) shows through.
+        return getattr(self.inner, name)
+
     def check_example(self, example: Mapping[str, Any]) -> None:
         self.inner.check_example(example)
 

@@ -11,15 +11,17 @@ Every call names a ``checkpoint_id``. While one is active, another id is
 ``checkpoint_conflict``; an id already resumed is ``stale_checkpoint``; an operation that
 completed replays its reply. ``prepare`` closes admission and waits — on the episode registry's
 changes, never by polling — until every capturable episode is parked at a step boundary, or its
-deadline; ``preparing`` replies name the blockers. Time spent with admission closed is added
-back to every running batch's deadline on resume.
+deadline; ``preparing`` replies name the blockers. While admission is closed every batch's
+deadline is frozen (its remaining time kept), and it runs on from there after the resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -66,13 +68,45 @@ class Checkpoints:
         self.phase = Phase.IDLE
         self.checkpoint_id: str | None = None
         self.lease_until: float | None = None
-        self._closed_at: float | None = None
         self._replies: dict[tuple[str, str], dict[str, Any]] = {}
         self._commit_scope: tuple[str, tuple[str, ...] | None] | None = None
         self._resumed: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._export: trio.CancelScope | None = None
         self._lease_changed = trio.Event()
-        self.batch_scopes: set[trio.CancelScope] = set()
+        self._batches: set[trio.CancelScope] = set()
+        self._paused: dict[trio.CancelScope, float] | None = None
+        """While admission is closed: each batch deadline's remaining seconds, frozen."""
+
+    # --- batch deadlines ------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def batch_deadline(self, scope: trio.CancelScope) -> Iterator[None]:
+        """Track a batch's deadline scope so that time in a checkpoint does not count."""
+        self._batches.add(scope)
+        if self._paused is not None:
+            self._freeze(scope)
+        try:
+            yield
+        finally:
+            self._batches.discard(scope)
+            if self._paused is not None:
+                self._paused.pop(scope, None)
+
+    def _freeze(self, scope: trio.CancelScope) -> None:
+        assert self._paused is not None
+        self._paused[scope] = scope.deadline - trio.current_time()
+        scope.deadline = math.inf
+
+    def _pause_deadlines(self) -> None:
+        if self._paused is None:
+            self._paused = {}
+            for scope in self._batches:
+                self._freeze(scope)
+
+    def _unpause_deadlines(self) -> None:
+        for scope, remaining in (self._paused or {}).items():
+            scope.deadline = trio.current_time() + remaining
+        self._paused = None
 
     # --- time ---------------------------------------------------------------------------
 
@@ -146,13 +180,15 @@ class Checkpoints:
             return replay
         if self.phase is Phase.IDLE:
             self.phase, self.checkpoint_id = Phase.PREPARING, checkpoint_id
-            self._closed_at = trio.current_time()
+            self._pause_deadlines()
             self.episodes.start_parking()
             log_event("checkpoint_preparing", checkpoint_id=checkpoint_id)
         elif self.phase is not Phase.PREPARING:
             raise self._wrong_phase("prepare", "idle")
-        self._set_lease(lease_s)
-        with trio.move_on_at(self.trio_deadline(deadline)):
+        call_deadline = self.trio_deadline(deadline)
+        # A caller waiting on this call is alive: the lease runs from the call's deadline.
+        self._set_lease(max(call_deadline - trio.current_time(), 0) + lease_s)
+        with trio.move_on_at(call_deadline):
             while self.episodes.blockers() and self.phase is Phase.PREPARING:
                 await self.episodes.wait_for_change()
         if self.checkpoint_id != checkpoint_id:  # resumed (or lease lost) while waiting
@@ -221,12 +257,15 @@ class Checkpoints:
         records = [(*HOST_PARTICIPANT, [_host_record(live) for live in episodes])]
         if participant is not None:
             records.append((*participant.participant, participant.export_records(keys)))
+        # The files are written on the trio thread, a participant at a time with a yield
+        # between: an export is small next to a batch, the episodes are parked anyway, and a
+        # worker thread would let a test's virtual clock leap while the disk works.
+        exports = []
         with trio.move_on_at(self.trio_deadline(deadline)) as self._export:
-            exports = await trio.to_thread.run_sync(_write_all, directory, records)
-            manifest = _manifest(checkpoint_id, exports, episodes)
-            if self._export.cancel_called:
-                raise WireError(ErrorCode.STALE_CHECKPOINT, "resumed before the export finished")
-            path = await trio.to_thread.run_sync(publish_manifest, directory, manifest)
+            for server_name, kind, rows in records:
+                exports.append(write_records(directory, server_name, kind, rows))
+                await trio.lowlevel.checkpoint()
+            path = publish_manifest(directory, _manifest(checkpoint_id, exports, episodes))
         if self._export.cancelled_caught:
             self._export = None
             if self.checkpoint_id != checkpoint_id:
@@ -266,17 +305,9 @@ class Checkpoints:
     def _resume(self, checkpoint_id: str) -> dict[str, Any]:
         if self._export is not None:
             self._export.cancel()  # an unfinished export must never publish
-        if self._closed_at is not None:
-            paused = trio.current_time() - self._closed_at
-            for scope in self.batch_scopes:
-                scope.deadline += paused
+        self._unpause_deadlines()
         self.episodes.release(reopen=True)
-        self.phase, self.checkpoint_id, self.lease_until, self._closed_at = (
-            Phase.IDLE,
-            None,
-            None,
-            None,
-        )
+        self.phase, self.checkpoint_id, self.lease_until = Phase.IDLE, None, None
         self._lease_changed.set()
         self._lease_changed = trio.Event()
         reply = {"phase": Phase.IDLE.value, "checkpoint_id": checkpoint_id, "admission": "open"}
@@ -299,10 +330,8 @@ class Checkpoints:
             return replay
         if self.phase is not Phase.IDLE:
             raise self._wrong_phase("restore", "idle")
-        with trio.move_on_at(self.trio_deadline(deadline)) as timer:
-            export = await trio.to_thread.run_sync(read_export, directory)
-        if timer.cancelled_caught:
-            raise WireError(ErrorCode.DEADLINE_EXCEEDED, "the export could not be read in time")
+        export = read_export(directory)  # on the trio thread, as commit writes it
+        await trio.lowlevel.checkpoint()
         participant = self._participant()
         expected = {HOST_PARTICIPANT} | ({participant.participant} if participant else set())
         if set(export.records) != expected:
@@ -333,8 +362,8 @@ class Checkpoints:
             participant.restore_records(records, renames)
         self.episodes.install(restored)
         self.episodes.close_admission()
+        self._pause_deadlines()
         self.phase, self.checkpoint_id = Phase.RESTORED, checkpoint_id
-        self._closed_at = trio.current_time()
         self._set_lease(lease_s)
         reply = {
             "phase": Phase.RESTORED.value,
@@ -404,13 +433,6 @@ def _host_record(live: LiveEpisode) -> dict[str, Any]:
         "step": live.step,
         "state": live.state,
     }
-
-
-def _write_all(
-    directory: Path, records: Sequence[tuple[str, str, list[dict[str, Any]]]]
-) -> list[ParticipantExport]:
-    """Every participant's records file (runs in a worker thread: it is file I/O)."""
-    return [write_records(directory, name, kind, rows) for name, kind, rows in records]
 
 
 def _manifest(

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Final
 
 import h11
 import pydantic
+import trio
 from pydantic import BaseModel, ConfigDict, Field
 
 from trio_gym.config import describe_validation_error
@@ -174,4 +175,9 @@ async def answer_operation(host: Host, conn: HttpConnection, head: h11.Request) 
             describe_validation_error(exc) if isinstance(exc, pydantic.ValidationError) else exc
         )
         raise WireError(ErrorCode.INVALID_REQUEST, f"{name}: {detail}") from exc
+    if call.deadline <= host.checkpoints.wall(trio.current_time()):
+        raise WireError(
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"{name}: its deadline had passed when it arrived; check the clocks or the timeout",
+        )
     await send_json(conn, 200, await operation(host, call))

@@ -60,13 +60,9 @@ async def supervise(
             if body is not None:
                 interval = host.config.heartbeat_interval_s
                 nursery.start_soon(_send_heartbeats, body, heartbeat, interval)
-            # Registered so that time spent in a checkpoint is added back to this deadline.
-            host.checkpoints.batch_scopes.add(examples_scope)
-            try:
-                with examples_scope:
-                    await work()
-            finally:
-                host.checkpoints.batch_scopes.discard(examples_scope)
+            # Tracked so that time spent in a checkpoint does not count against the deadline.
+            with host.checkpoints.batch_deadline(examples_scope), examples_scope:
+                await work()
             nursery.cancel_scope.cancel()
     except* ConnectionLost as group:
         caller_lost = leaves(group)[0]

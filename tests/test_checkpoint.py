@@ -1,0 +1,334 @@
+"""The host as a checkpoint participant, on a virtual clock over in-memory streams."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from tests.helpers import CountingRunner, exchange, request_bytes
+from tests.test_client import URL, in_memory
+from trio_gym.config import ServeConfig
+from trio_gym.host import Host
+from trio_gym.host.export import MANIFEST, read_export, write_records
+from trio_gym.runners import ExampleContext, ExampleRunner
+from trio_gym.trainer import ClientSettings, RolloutClient, RolloutError
+from trio_gym.trainer.control import ControlError, HostControl
+
+EPOCH = 1_800_000_000.0
+TOKEN = "s3cret"
+
+
+def wall() -> float:
+    return EPOCH + trio.current_time()
+
+
+@attrs.define
+class Rig:
+    host: Host
+    runner: CountingRunner
+    control: HostControl
+    client: RolloutClient
+    nursery: trio.Nursery
+    rows: dict[str, list[Any]] = attrs.field(factory=dict)
+    done: dict[str, trio.Event] = attrs.field(factory=dict)
+
+    def stream_in_background(self, name: str, examples: list[dict[str, Any]]) -> None:
+        """Run ``examples`` as a row stream; its rows (and a final error) land in ``rows[name]``."""
+        rows = self.rows.setdefault(name, [])
+        done = self.done[name] = trio.Event()
+
+        async def consume() -> None:
+            try:
+                async with self.client.stream(examples) as stream:
+                    async for row in stream:
+                        rows.append((trio.current_time(), row))
+            except RolloutError as exc:
+                rows.append((trio.current_time(), exc))
+            finally:
+                done.set()
+
+        self.nursery.start_soon(consume)
+
+    async def finish(self, name: str) -> list[Any]:
+        with trio.fail_after(100_000):  # virtual seconds: a guard only
+            await self.done[name].wait()
+        return self.rows[name]
+
+
+@asynccontextmanager
+async def rig(**config: Any) -> AsyncIterator[Rig]:
+    runner = CountingRunner(ExampleRunner())
+    config = {"rollout_deadline_s": 10**6, **config}
+    host = Host(ServeConfig(port=0, control_token=TOKEN, **config), runner=runner, wall_time=wall)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(host.checkpoints.watch_lease)
+        opener = in_memory(nursery, host)
+        control = HostControl("http://host:1", TOKEN, opener=opener, wall_time=wall)
+        client = RolloutClient(URL, ClientSettings(request_deadline_s=10**7), opener=opener)
+        yield Rig(host, runner, control, client, nursery)
+        nursery.cancel_scope.cancel()
+
+
+def episode(rollout_id: str, *, think_s: float, meetings: int = 3, **extra: Any) -> dict[str, Any]:
+    return {
+        "seed": 7,
+        "meetings": meetings,
+        "think_s": think_s,
+        "_ng_rollout_id": rollout_id,
+        **extra,
+    }
+
+
+async def uninterrupted(example: dict[str, Any]) -> dict[str, Any]:
+    result = await ExampleRunner().run_example(example, ExampleContext("solo", 0))
+    return result  # type: ignore[no-any-return]
+
+
+def results_of(rows: list[Any]) -> dict[int, Any]:
+    return {row.index: row.result for _, row in rows if not isinstance(row, Exception)}
+
+
+async def test_prepare_parks_at_boundaries_and_reports_a_long_wait_step_as_a_blocker(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with rig() as r:
+        r.stream_in_background(
+            "batch", [episode("quick", think_s=10), episode("slow", think_s=1000)]
+        )
+        await trio.sleep(15)  # quick is in its second step, slow in its first
+        first = await r.control.prepare("c1", timeout_s=20, lease_s=5000)
+        assert first["phase"] == "preparing" and trio.current_time() == 35
+        assert first["blockers"] == {"count": 1, "sample": ["slow"]}
+        assert first["parked"] == {"count": 1, "sample": ["quick"]}  # parked at 20 s
+        second = await r.control.prepare("c1", timeout_s=2000, lease_s=5000)
+        assert second["phase"] == "prepared" and trio.current_time() == 1000
+        await trio.sleep(100)  # parked: nothing moves
+        assert r.host.checkpoints.status()["counts"]["parked"] == 2
+        await r.control.resume("c1", timeout_s=5)
+        await r.finish("batch")
+    results = results_of(r.rows["batch"])
+    assert results[0]["reward"] == (await uninterrupted(episode("quick", think_s=0)))["reward"]
+    assert [at for at, row in r.rows["batch"] if row.index == 0] == [1100 + 10]  # one step left
+    assert not any(isinstance(row, Exception) for _, row in r.rows["batch"])
+
+
+async def test_a_replay_step_is_cut_short_and_a_wait_step_is_not(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with rig() as r:
+        r.stream_in_background("replay", [episode("r", think_s=1000, step_mode="replay")])
+        await trio.sleep(5)
+        reply = await r.control.prepare("c1", timeout_s=100)
+        assert reply["phase"] == "prepared" and trio.current_time() == 5  # cut at once
+        await trio.sleep(50)
+        await r.control.resume("c1", timeout_s=5)
+        replayed = await r.finish("replay")
+    assert [at for at, _ in replayed] == [55 + 3 * 1000]  # the cut step ran again, in full
+    assert results_of(replayed)[0]["steps"] == 3
+    async with rig() as r:
+        start = trio.current_time()
+        r.stream_in_background("wait", [episode("w", think_s=1000)])
+        await trio.sleep(5)
+        reply = await r.control.prepare("c1", timeout_s=100)
+        assert reply["phase"] == "preparing" and reply["blockers"]["sample"] == ["w"]
+        await r.control.resume("c1", timeout_s=5)
+        waited = await r.finish("wait")
+    assert [at - start for at, _ in waited] == [3000]  # never cut: the prepare waited on it
+
+
+async def test_time_parked_is_not_charged_to_the_deadline(autojump_clock: trio.abc.Clock) -> None:
+    async with rig(rollout_deadline_s=100) as r:
+        # Three steps of 30 s inside a 100 s deadline; parked from 60 s to 300 s.
+        r.stream_in_background("batch", [episode("d", think_s=30)])
+        await trio.sleep(40)
+        await r.control.prepare("c1", timeout_s=60, lease_s=1000)
+        await trio.sleep_until(300)
+        await r.control.resume("c1", timeout_s=5)
+        ((at, row),) = await r.finish("batch")
+    assert not isinstance(row, Exception) and row.ok and at == 330
+
+
+async def test_a_lease_that_expires_resumes_the_host_by_itself(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with rig() as r:
+        r.stream_in_background("batch", [episode("e", think_s=10)])
+        await trio.sleep(5)
+        prepared = await r.control.prepare("c1", timeout_s=20, lease_s=30)
+        assert prepared["phase"] == "prepared"
+        await r.control.renew("c1", timeout_s=5, lease_s=30)  # at 10 s: now until 40 s
+        await trio.sleep(29)
+        assert (await r.control.status())["phase"] == "prepared"
+        await trio.sleep(2)
+        status = await r.control.status()
+        assert status["phase"] == "idle" and status["admission"] == "open"
+        with pytest.raises(ControlError) as stale:
+            await r.control.commit("c1", "/tmp/never", timeout_s=5)
+        assert stale.value.code == "stale_checkpoint"
+        rows = await r.finish("batch")
+    assert [at for at, _ in rows] == [40 + 20]  # continued at 40 s
+
+
+async def test_ids_conflict_go_stale_and_completed_calls_replay(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    async with rig() as r:
+        r.stream_in_background("batch", [episode("e", think_s=10)])
+        await trio.sleep(1)
+        prepared = await r.control.prepare("c1", timeout_s=20)
+        assert await r.control.prepare("c1", timeout_s=20) == prepared
+        with pytest.raises(ControlError) as conflict:
+            await r.control.prepare("c2", timeout_s=20)
+        assert (conflict.value.status, conflict.value.code) == (409, "checkpoint_conflict")
+        committed = await r.control.commit("c1", str(tmp_path / "x"), timeout_s=20)
+        assert await r.control.commit("c1", str(tmp_path / "x"), timeout_s=20) == committed
+        with pytest.raises(ControlError, match="another directory"):
+            await r.control.commit("c1", str(tmp_path / "y"), timeout_s=20)
+        resumed = await r.control.resume("c1", timeout_s=5)
+        assert await r.control.resume("c1", timeout_s=5) == resumed
+        with pytest.raises(ControlError) as stale:
+            await r.control.prepare("c1", timeout_s=20)
+        assert stale.value.code == "stale_checkpoint"
+
+
+async def test_the_control_plane_needs_its_token(autojump_clock: trio.abc.Clock) -> None:
+    async with rig() as r:
+        wrong = HostControl("http://host:1", "guess", opener=r.control._opener, wall_time=wall)
+        with pytest.raises(ControlError) as refused:
+            await wrong.status()
+    assert (refused.value.status, refused.value.code) == (401, "unauthorized")
+
+
+async def test_commit_exports_digested_records_and_a_manifest(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    async with rig() as r:
+        r.stream_in_background(
+            "batch", [episode("a", think_s=10, meetings=4), episode("b", think_s=15)]
+        )
+        await trio.sleep(12)
+        await r.control.prepare("c1", timeout_s=30)
+        reply = await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
+        await r.control.resume("c1", timeout_s=5)
+    assert reply["capture_keys"] == ["a", "b"]
+    kinds = {p["kind"]: p for p in reply["participants"]}
+    assert set(kinds) == {"episodes", "side_effect_store"}
+    assert all(p["record_count"] == 2 for p in kinds.values())
+    export = read_export(tmp_path / "export")  # every digest and count checks out
+    episodes = {e["capture_key"]: e for e in export.records[("host", "episodes")]}
+    assert episodes["a"]["step"] == 2 and episodes["b"]["step"] == 1  # parked at 20 s and 15 s
+    store = {e["capture_key"]: e for e in export.records[("calendar", "side_effect_store")]}
+    assert len(store["a"]["events"]) <= 2
+
+
+async def test_a_tampered_or_unpublished_export_is_refused_and_changes_nothing(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    async with rig() as r:
+        r.stream_in_background("batch", [episode("a", think_s=10)])
+        await trio.sleep(12)
+        await r.control.prepare("c1", timeout_s=30)
+        reply = await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
+        await r.control.resume("c1", timeout_s=5)
+    store = next(p for p in reply["participants"] if p["kind"] == "side_effect_store")
+    records = Path(store["state_directory"]) / store["records_file"]
+    records.write_bytes(records.read_bytes().replace(b'"events"', b'"evenst"'))
+    unpublished = tmp_path / "half"
+    write_records(
+        unpublished, "host", "episodes", [{"capture_key": "a", "state": {}}]
+    )  # no manifest
+    async with rig() as fresh:
+        for directory, fragment in ((tmp_path / "export", "SHA-256"), (unpublished, MANIFEST)):
+            with pytest.raises(ControlError) as refused:
+                await fresh.control.restore("r1", str(directory), timeout_s=30)
+            assert refused.value.code == "export_invalid" and fragment in refused.value.message
+        status = await fresh.control.status()
+    assert status["phase"] == "idle" and status["counts"]["restored"] == 0
+    assert status["admission"] == "open"
+
+
+async def test_restore_continues_each_episode_once_as_the_next_attempt(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    example = episode("cal", think_s=10, meetings=5)
+    async with rig() as a:
+        a.stream_in_background("batch", [example])
+        await trio.sleep(25)  # in step 3; parks at 30 s, right after its third booking
+        await a.control.prepare("c1", timeout_s=30)
+        await a.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
+        # host A "crashes" here: never resumed, its nursery simply ends
+    async with rig() as b:
+        restored = await b.control.restore("r1", str(tmp_path / "export"), timeout_s=30)
+        assert restored["restored"] == [
+            {"rollout_id": "cal", "attempt": 1, "capture_key": "cal-a1", "step": 3}
+        ]
+        assert (await b.control.status())["admission"] == "closed"
+        again = {**example, "_ng_attempt_index": 1}
+        results = await b.client.run([again])  # its own re-dispatch is admitted while closed
+        with pytest.raises(RolloutError) as twice:
+            await b.client.run([again])
+        with pytest.raises(RolloutError) as old:
+            await b.client.run([example])
+        await b.control.resume("r1", timeout_s=5)
+    expected = await uninterrupted(example)
+    assert results[0]["reward"] == expected["reward"]
+    assert results[0]["booked"] == expected["booked"]  # every booking exactly once
+    assert results[0]["_ng_attempt_index"] == 1
+    assert twice.value.code == "stale_attempt" and old.value.code == "stale_attempt"
+    assert len(b.runner.started) == 1
+
+
+async def test_admission_closed_refuses_new_work_but_costs_nothing(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with rig() as r:
+        r.stream_in_background("running", [episode("old", think_s=10)])
+        await trio.sleep(1)
+        await r.control.prepare("c1", timeout_s=30)
+        with pytest.raises(RolloutError) as refused:
+            await r.client.post([episode("new", think_s=1)])
+        raw = await exchange(
+            await r.client.opener(r.client.endpoint),
+            request_bytes({"examples": [episode("raw", think_s=1)]}),
+        )
+        r.stream_in_background("rows", [episode("new2", think_s=1)])
+        await trio.sleep(1)
+        await r.control.resume("c1", timeout_s=5)
+        after = await r.client.run([episode("new", think_s=1)])
+    assert (refused.value.status, refused.value.code) == (409, "admission_closed")
+    _, sidecar = r.rows["rows"][0]
+    assert sidecar.error.code == "admission_closed"
+    assert raw.status == 409 and raw.headers["retry-after"] == "1"
+    assert after[0]["_ng_rollout_id"] == "new"
+    assert [index for index, _ in r.runner.started].count(0) == 2  # old, then new after resume
+
+
+async def test_retire_is_refused_during_a_checkpoint_and_stale_until_forget(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with rig() as r:
+        r.stream_in_background("batch", [episode("x", think_s=100)])
+        await trio.sleep(1)
+        await r.control.prepare("c1", timeout_s=5)
+        with pytest.raises(ControlError) as open_checkpoint:
+            await r.control.retire("t1", [("x", 0)], timeout_s=5)
+        await r.control.resume("c1", timeout_s=5)
+        retired = await r.control.retire("t1", [("x", 0)], timeout_s=5)
+        with pytest.raises(RolloutError) as stale:
+            await r.client.run([episode("x", think_s=1)])
+        await r.control.forget("f1", ["x"], timeout_s=5)
+        again = await r.client.run([episode("x", think_s=1)])
+    assert open_checkpoint.value.code == "wrong_phase"
+    assert retired["stopped"] == 1 and retired["still_stopping"]["count"] == 0
+    ((_, row),) = r.rows["batch"]
+    assert row.error.code == "stale_attempt"
+    assert stale.value.code == "stale_attempt"
+    assert again[0]["steps"] == 3
+    assert json.dumps(again)  # plain JSON all the way
