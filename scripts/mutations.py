@@ -128,17 +128,17 @@ MUTATIONS = [
     Mutation(
         "results in completion order",
         "trio_gym/host/batch.py",
-        "        results[index] = await run_example(host.runner, example, context, host.stats)",
+        "        results[index] = await run_example(host, examples[index], episodes[index])",
         "        results[results.index(None)] = await run_example(\n"
-        "            host.runner, example, context, host.stats\n"
+        "            host, examples[index], episodes[index]\n"
         "        )",
         ("tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys",),
     ),
     Mutation(
         "identity keys overwrite the runner's values",
         "trio_gym/host/batch.py",
-        "if example.get(key) is not None and result.get(key) is None",
-        "if example.get(key) is not None",
+        "missing = {key: value for key, value in identity.items() if result.get(key) is None}",
+        "missing = dict(identity)",
         ("tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys",),
     ),
     Mutation(
@@ -390,10 +390,10 @@ MUTATIONS = [
         "a failed example ends the row stream (cancelling its siblings)",
         "trio_gym/host/rows.py",
         "        except ExampleFailed as failure:\n"
-        "            error = WireError(ErrorCode.INTERNAL, describe_failure(failure))",
+        "            error = WireError(failure.code, describe_failure(failure))",
         "        except ExampleFailed as failure:\n"
         "            raise\n"
-        "            error = WireError(ErrorCode.INTERNAL, describe_failure(failure))",
+        "            error = WireError(failure.code, describe_failure(failure))",
         ("tests/test_rows.py::test_a_failed_example_is_a_sidecar_row_and_the_stream_goes_on",),
     ),
     Mutation(
@@ -448,6 +448,80 @@ MUTATIONS = [
         "        if found is None and self.learns:",
         "        if False:",
         ("tests/test_agents.py::test_an_unknown_agent_makes_the_runner_ask_the_head_server_again",),
+    ),
+    Mutation(
+        "a wait step treated as replay (cut short by a checkpoint)",
+        "trio_gym/host/episodes.py",
+        '        if mode == "wait":\n            return await step()',
+        '        if mode == "never":\n            return await step()',
+        ("tests/test_checkpoint.py::test_a_replay_step_is_cut_short_and_a_wait_step_is_not",),
+    ),
+    Mutation(
+        "restore skips the digest check",
+        "trio_gym/host/export.py",
+        '    if digest != entry["sha256"]:',
+        "    if False:",
+        (
+            "tests/test_checkpoint.py::test_a_tampered_or_unpublished_export_is_refused_and_changes_nothing",
+        ),
+    ),
+    Mutation(
+        "retire runs while a checkpoint is open",
+        "trio_gym/host/checkpoint.py",
+        "        if self.phase not in (Phase.IDLE, Phase.RESTORED):",
+        "        if False:",
+        (
+            "tests/test_checkpoint.py::test_retire_is_refused_during_a_checkpoint_and_stale_until_forget",
+        ),
+    ),
+    Mutation(
+        "time parked charged to the batch deadline",
+        "trio_gym/host/checkpoint.py",
+        "            self._pause_deadlines()\n            self.episodes.start_parking()",
+        "            self.episodes.start_parking()",
+        ("tests/test_checkpoint.py::test_time_parked_is_not_charged_to_the_deadline",),
+    ),
+    Mutation(
+        "an expired lease does not resume the host",
+        "trio_gym/host/checkpoint.py",
+        "                self._resume(self.checkpoint_id)",
+        "                pass",
+        ("tests/test_checkpoint.py::test_a_lease_that_expires_resumes_the_host_by_itself",),
+    ),
+    Mutation(
+        "new episodes admitted while admission is closed",
+        "trio_gym/host/episodes.py",
+        "        if not self.admission_open:",
+        "        if False:",
+        ("tests/test_checkpoint.py::test_admission_closed_refuses_new_work_but_costs_nothing",),
+    ),
+    Mutation(
+        "a restored episode dispatched twice",
+        "trio_gym/host/episodes.py",
+        "        if key in self.consumed:",
+        "        if False:",
+        ("tests/test_checkpoint.py::test_restore_continues_each_episode_once_as_the_next_attempt",),
+    ),
+    Mutation(
+        "the old attempt of a restored episode still admitted",
+        "trio_gym/host/episodes.py",
+        "        if current is not None and episode.attempt < current:",
+        "        if False:",
+        ("tests/test_checkpoint.py::test_restore_continues_each_episode_once_as_the_next_attempt",),
+    ),
+    Mutation(
+        "a resumed checkpoint id accepted again",
+        "trio_gym/host/checkpoint.py",
+        "        if checkpoint_id in self._resumed:\n            raise WireError(",
+        "        if False:\n            raise WireError(",
+        ("tests/test_checkpoint.py::test_ids_conflict_go_stale_and_completed_calls_replay",),
+    ),
+    Mutation(
+        "restore installs an export whose participants differ from the host's",
+        "trio_gym/host/checkpoint.py",
+        "        if set(export.records) != expected:",
+        "        if False:",
+        ("tests/test_checkpoint.py::test_a_restore_with_the_wrong_participants_changes_nothing",),
     ),
     Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",

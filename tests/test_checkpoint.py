@@ -332,3 +332,24 @@ async def test_retire_is_refused_during_a_checkpoint_and_stale_until_forget(
     assert stale.value.code == "stale_attempt"
     assert again[0]["steps"] == 3
     assert json.dumps(again)  # plain JSON all the way
+
+
+async def test_a_restore_with_the_wrong_participants_changes_nothing(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    async with rig() as r:
+        r.stream_in_background("batch", [episode("a", think_s=10)])
+        await trio.sleep(12)
+        await r.control.prepare("c1", timeout_s=30)
+        await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
+        await r.control.resume("c1", timeout_s=5)
+    manifest = json.loads((tmp_path / "export" / MANIFEST).read_text())
+    manifest["participants"] = [p for p in manifest["participants"] if p["kind"] == "episodes"]
+    (tmp_path / "export" / MANIFEST).write_text(json.dumps(manifest))  # the store left out
+    async with rig() as fresh:
+        with pytest.raises(ControlError) as refused:
+            await fresh.control.restore("r1", str(tmp_path / "export"), timeout_s=30)
+        status = await fresh.control.status()
+    assert refused.value.code == "export_invalid" and "participants" in refused.value.message
+    assert status["counts"]["restored"] == 0 and status["admission"] == "open"
+    assert len(fresh.runner.inner.store) == 0  # nothing restored into the store either
