@@ -122,3 +122,54 @@ async def test_accept_with_parameters_and_alternatives_selects_rows(
         headers = [("Accept", "application/json;q=0.5, Application/X-NDJSON; q=1")]
         reply = await exchange(client, request_bytes({"examples": [{"seed": 1}]}, headers=headers))
     assert reply.headers["content-type"] == "application/x-ndjson"
+
+
+async def test_big_rows_finishing_together_are_never_interleaved(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    from tests.helpers import ScriptedRunner
+
+    host = Host(ServeConfig(port=0, heartbeat_interval_s=1), runner=ScriptedRunner())
+    big = "x" * (600 * 1024)  # each row is more than two 256 KiB pieces
+    examples = [{"sleep_s": 3, "result": {"blob": big, "n": i}} for i in range(3)]
+    reply = await stream(host, {"examples": examples})
+    lines = lines_of(reply.body)  # raises if any line was cut by another write
+    assert sorted(line["result"]["n"] for line in lines if "result" in line) == [0, 1, 2]
+    assert lines[-1] == {"done": True, "completed": 3, "failed": 0}
+
+
+async def test_a_row_finished_before_the_deadline_is_delivered_to_a_slow_reader(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    host = Host(ServeConfig(port=0, heartbeat_interval_s=5), runner=runner)
+    client, server = trio.testing.lockstep_stream_pair()
+    examples = [
+        {"seed": 0, "meetings": 1, "think_s": 10},
+        {"seed": 1, "meetings": 1, "think_s": 100},
+    ]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(handle_connection, host, server)
+        await client.send_all(request_bytes({"examples": examples, "deadline_s": 12}, headers=ROWS))
+        head = b""
+        while not head.endswith(b"\r\n\r\n"):
+            head += await client.receive_some(1)
+        await trio.sleep(20)  # a slow reader: the heartbeat at 5 s and the row at 10 s wait
+        reply = await read_reply_after_head(client)
+    rows = lines_of(reply)
+    assert [row["index"] for row in rows if "index" in row] == [0]
+    assert rows[-1]["error"]["code"] == "deadline_exceeded"
+
+
+async def read_reply_after_head(stream: trio.abc.ReceiveStream) -> bytes:
+    """The chunked body after an already-read head, de-chunked by hand."""
+    raw = b""
+    while not raw.endswith(b"0\r\n\r\n"):
+        raw += await stream.receive_some(65536)
+    body, rest = b"", raw
+    while True:
+        size_line, rest = rest.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            return body
+        body, rest = body + rest[:size], rest[size + 2 :]

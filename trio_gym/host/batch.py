@@ -206,7 +206,7 @@ async def encode_results(results: Sequence[Any], info: ResultsInfo, max_bytes: i
     for index, result in enumerate(results):
         try:
             encoded = encode_json(result)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:
             raise WireError(
                 ErrorCode.INTERNAL, f"the result of example {index} is not JSON: {exc}"
             ) from exc

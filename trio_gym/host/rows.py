@@ -12,13 +12,14 @@ write, is given up after ``send_timeout_s``, and every example still running is 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, Final
 
 import trio
 
-from trio_gym.errors import ErrorCode, WireError
-from trio_gym.http import ChunkedBody, HttpConnection, encode_json
+from trio_gym.errors import ErrorCode, WireError, leaves
+from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, encode_json
 
 from .batch import Batch, BatchState, ExampleFailed, describe_failure, run_example
 from .episodes import LiveEpisode
@@ -38,7 +39,7 @@ def row_line(index: int, result: Any, max_bytes: int) -> tuple[bytes, bool]:
     """
     try:
         line = encode_json({"index": index, "result": result})
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:
         error = WireError(ErrorCode.INTERNAL, f"the result of example {index} is not JSON: {exc}")
         return sidecar_line(index, error), False
     if len(line) > max_bytes:
@@ -71,21 +72,21 @@ async def answer_with_rows(
     body = await ChunkedBody.start(conn, 200, content_type=NDJSON)
     counts = {"completed": 0, "failed": 0}
     limit = host.config.max_response_bytes
+    # Rows go through one writer, outside the examples' cancel scope: a row finished before
+    # the deadline or a shutdown is still delivered, and counted only once it is written.
+    rows_in, rows_out = trio.open_memory_channel[tuple[bytes, bool]](math.inf)
     for index, entry in enumerate(admitted):
         if isinstance(entry, WireError):
-            counts["failed"] += 1
-            await body.send(sidecar_line(index, entry))
+            rows_in.send_nowait((sidecar_line(index, entry), False))
 
     async def run_one(index: int, episode: LiveEpisode) -> None:
         try:
             result = await run_example(host, examples[index], episode)
         except ExampleFailed as failure:
             error = WireError(failure.code, describe_failure(failure))
-            line, ok = sidecar_line(index, error), False
+            rows_in.send_nowait((sidecar_line(index, error), False))
         else:
-            line, ok = row_line(index, result, limit)
-        counts["completed" if ok else "failed"] += 1
-        await body.send(line)
+            rows_in.send_nowait(row_line(index, result, limit))
 
     async def work() -> None:
         async with trio.open_nursery() as nursery:
@@ -93,15 +94,33 @@ async def answer_with_rows(
                 if isinstance(entry, LiveEpisode):
                     nursery.start_soon(run_one, index, entry)
 
-    stopped = await supervise(
-        host,
-        conn,
-        body,
-        heartbeat=ROW_HEARTBEAT,
-        deadline_s=deadline_s,
-        examples_count=len(examples),
-        work=work,
-    )
+    async def write_rows() -> None:
+        async for line, ok in rows_out:
+            await body.send(line)
+            counts["completed" if ok else "failed"] += 1
+
+    async def run_and_close() -> WireError | None:
+        with rows_in:
+            return await supervise(
+                host,
+                conn,
+                body,
+                heartbeat=ROW_HEARTBEAT,
+                deadline_s=deadline_s,
+                examples_count=len(examples),
+                work=work,
+            )
+
+    stopped: WireError | None = None
+    caller_lost: ConnectionLost | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write_rows)
+            stopped = await run_and_close()
+    except* ConnectionLost as group:
+        caller_lost = leaves(group)[0]
+    if caller_lost is not None:
+        raise caller_lost
     if stopped is None:
         batch.advance(BatchState.ANSWERING, **counts)
         await body.send(encode_json({"done": True, **counts}) + b"\n")

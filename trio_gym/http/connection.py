@@ -80,34 +80,45 @@ class HttpConnection:
         return self._lost
 
     async def send(self, *events: h11.Event) -> None:
-        """Write ``events`` as one piece, in order, after any write already queued.
+        """Write ``events`` whole and in order, with no other write between them.
 
-        The span from h11's ``send`` (which advances h11's state) to the end of ``send_all`` is
-        shielded: cancelled half-way, h11 would believe bytes went out that never did, and the
-        next event (the final document after a heartbeat, say) would be refused or corrupt the
-        framing. The shield is bounded by ``send_timeout_s`` because an unbounded shield hangs
-        forever against a peer that stops reading.
+        Events are written in runs of about ``write_bytes``, each its own write bounded by
+        ``send_timeout_s``, so the bound means "the peer took nothing for that long", not "all
+        of it within that long". The whole span is shielded from cancellation: cancelled
+        half-way, h11 would believe bytes went out that never did (the final document after a
+        heartbeat would be refused or corrupt the framing), and a line of a row stream would be
+        left half-written. The shield hangs no one: every write inside it is bounded.
 
         A checkpoint. ``Cancelled`` can only be raised before the lock is taken (nothing written)
-        or after the write completed. Raises :class:`ConnectionLost` if the peer is gone or did
-        not take the bytes within ``send_timeout_s``; the connection is then unusable.
+        or after everything was written. Raises :class:`ConnectionLost` if the peer is gone or
+        took nothing for ``send_timeout_s``; the connection is then unusable.
         ``h11.LocalProtocolError`` means the caller broke HTTP: a bug, not the peer's doing.
         """
         async with self._send_lock:
             if self._lost:
                 raise ConnectionLost("an earlier write to this peer failed")
-            data = b"".join(self._bytes_of(event) for event in events)
-            with trio.move_on_after(self.limits.send_timeout_s, shield=True) as scope:
-                try:
-                    await self._stream.send_all(data)
-                except trio.BrokenResourceError as exc:
-                    self._lost = True
-                    raise ConnectionLost(f"the peer is gone ({exc.__cause__ or exc})") from exc
-            if scope.cancelled_caught:
+            with trio.CancelScope(shield=True):
+                pending = bytearray()
+                for event in events:
+                    pending += self._bytes_of(event)
+                    if len(pending) >= self.limits.write_bytes:
+                        await self._write(bytes(pending))
+                        pending.clear()
+                if pending:
+                    await self._write(bytes(pending))
+
+    async def _write(self, data: bytes) -> None:
+        with trio.move_on_after(self.limits.send_timeout_s) as scope:
+            try:
+                await self._stream.send_all(data)
+            except trio.BrokenResourceError as exc:
                 self._lost = True
-                raise ConnectionLost(
-                    f"the peer did not read for {self.limits.send_timeout_s:g} s (send_timeout_s)"
-                )
+                raise ConnectionLost(f"the peer is gone ({exc.__cause__ or exc})") from exc
+        if scope.cancelled_caught:
+            self._lost = True
+            raise ConnectionLost(
+                f"the peer did not read for {self.limits.send_timeout_s:g} s (send_timeout_s)"
+            )
 
     def _bytes_of(self, event: h11.Event) -> bytes:
         data = self._h11.send(event) or b""

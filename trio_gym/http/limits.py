@@ -28,6 +28,9 @@ class HttpLimits:
         mod_reqtimeout does the same with 500 bytes/s; 8 KiB/s is still a modem's speed).
     ``receive_bytes``
         The most a body read asks the kernel for at once.
+    ``write_bytes``
+        How much one bounded write carries: large enough that framing and per-write overhead
+        vanish, small enough to cross any working link well within ``send_timeout_s``.
     ``drain_timeout_s`` / ``drain_max_bytes``
         After our answer, how long and how much of the peer's unread upload we read and discard
         so that closing does not send a reset that would destroy the answer (a 50 MB upload on
@@ -39,5 +42,6 @@ class HttpLimits:
     send_timeout_s: float = 30.0
     min_body_rate: float = 8 * 1024
     receive_bytes: int = 64 * 1024
+    write_bytes: int = 256 * 1024
     drain_timeout_s: float = 10.0
     drain_max_bytes: int = 64 * 1024 * 1024

@@ -26,9 +26,8 @@ from trio_gym.http.connection import ConnectionLost, HttpConnection
 
 Headers = Sequence[tuple[str, str]]
 
-# A body goes out in pieces of this size, each its own bounded write: large enough that framing
-# and per-write overhead vanish (about 10 bytes of chunk header per 256 KiB), small enough that
-# one piece crosses any working link well within send_timeout_s.
+# A body is split into chunks (or Data events) of this size; HttpConnection writes them in
+# bounded runs of HttpLimits.write_bytes. About 10 bytes of chunk header per 256 KiB.
 BODY_PIECE_BYTES: Final = 256 * 1024
 
 SUPPORTED_VERSIONS: Final = (b"1.0", b"1.1")
@@ -73,18 +72,11 @@ async def send_body(
 
 
 async def send_message(conn: HttpConnection, head: h11.Request | h11.Response, body: bytes) -> None:
-    """Send a head and its body (framed by the head's Content-Length), piece by piece.
-
-    Each piece is its own bounded write, so ``send_timeout_s`` means "the peer took nothing for
-    that long", not "the whole body must go out within it".
-    """
-    if len(body) <= BODY_PIECE_BYTES:
-        await conn.send(head, *([h11.Data(data=body)] if body else []), h11.EndOfMessage())
-        return
-    await conn.send(head)
-    for i in range(0, len(body), BODY_PIECE_BYTES):
-        await conn.send(h11.Data(data=body[i : i + BODY_PIECE_BYTES]))
-    await conn.send(h11.EndOfMessage())
+    """Send a head and its body (framed by the head's Content-Length), as one whole write."""
+    pieces = [
+        h11.Data(data=body[i : i + BODY_PIECE_BYTES]) for i in range(0, len(body), BODY_PIECE_BYTES)
+    ]
+    await conn.send(head, *pieces, h11.EndOfMessage())
 
 
 async def send_empty(conn: HttpConnection, status: int, *, headers: Headers = ()) -> None:
@@ -139,11 +131,13 @@ class ChunkedBody:
         return cls(conn)
 
     async def send(self, data: bytes) -> None:
-        """Send ``data`` as one or more chunks. Empty data is refused: it would write nothing."""
+        """Send ``data`` whole, as one or more chunks, with no other write in between (a row
+        of a stream is never split by a heartbeat or another row). Empty data is refused: it
+        would write nothing."""
         if not data:
             raise ValueError("an empty chunk cannot be sent; finish() ends the body")
-        for i in range(0, len(data), BODY_PIECE_BYTES):
-            await self._conn.send(h11.Data(data=data[i : i + BODY_PIECE_BYTES]))
+        pieces = range(0, len(data), BODY_PIECE_BYTES)
+        await self._conn.send(*(h11.Data(data=data[i : i + BODY_PIECE_BYTES]) for i in pieces))
 
     async def finish(self) -> None:
         """Write the zero-length chunk that tells every reader the body is complete."""
