@@ -206,7 +206,12 @@ async def test_an_unreachable_head_server_fails_the_start_with_the_reason() -> N
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         closed_port = probe.getsockname()[1]
-    async with agents_host(head_server=f"http://127.0.0.1:{closed_port}") as (host, port):
+    config = {"agent_connect_attempts": 2, "agent_retry_backoff_s": 0.01}
+    async with agents_host(head_server=f"http://127.0.0.1:{closed_port}", **config) as (
+        host,
+        port,
+    ):
         health = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
     assert health.status == 503 and health.json()["status"] == "failed"
-    assert "cannot read the head server" in health.json()["error"]["message"]
+    message = health.json()["error"]["message"]
+    assert "cannot read the head server" in message and "(after 2 attempt(s))" in message

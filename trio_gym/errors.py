@@ -112,3 +112,9 @@ def leaves(group: BaseExceptionGroup[E]) -> list[E]:
         else:
             found.append(exc)
     return found
+
+
+def quote_body(body: bytes, limit: int = 500) -> str:
+    """The start of a body, quoted for an error message, with its full length if cut."""
+    text = repr(body[:limit].decode("utf-8", "replace"))
+    return f"{text} ... ({len(body)} bytes)" if len(body) > limit else text

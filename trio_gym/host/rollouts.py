@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Annotated, Any, Final
 
 import attrs
@@ -103,19 +104,27 @@ def parse_rollout_request(body: bytes) -> RolloutRequest:
 
 
 def validate_batch(
-    body: bytes, runner: Runner, batch_id: str
-) -> tuple[RolloutRequest, list[EpisodeId]]:
+    body: bytes, runner: Runner, batch_id: str, *, refuse_whole: bool
+) -> tuple[RolloutRequest, list[EpisodeId | WireError]]:
     """Parse the body, let the runner check every example, and read each one's episode
-    identity (assigning a rollout id where it has none); ``invalid_request`` otherwise."""
+    identity (assigning a rollout id where it has none).
+
+    A malformed body is ``invalid_request``. A malformed example is too when ``refuse_whole``
+    (a document answers the whole batch); otherwise (a row stream) its entry is the refusal,
+    for a sidecar row, and the other examples run.
+    """
     request = parse_rollout_request(body)
-    identities = []
+    checked: list[EpisodeId | WireError] = []
     for index, example in enumerate(request.examples):
         try:
             runner.check_example(example)
-            identities.append(EpisodeId.of(example, assigned=f"{batch_id}-{index}"))
+            checked.append(EpisodeId.of(example, assigned=f"{batch_id}-{index}"))
         except ValueError as exc:
-            raise WireError(ErrorCode.INVALID_REQUEST, f"examples[{index}]: {exc}") from exc
-    return request, identities
+            refusal = WireError(ErrorCode.INVALID_REQUEST, f"examples[{index}]: {exc}")
+            if refuse_whole:
+                raise refusal from exc
+            checked.append(refusal)
+    return request, checked
 
 
 @attrs.frozen
@@ -163,16 +172,17 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
         advice=TOO_LARGE_ADVICE,
     )
     batch = Batch(new_batch_id(), 0)
+    validate = partial(validate_batch, body, host.runner, batch.id, refuse_whole=not rows)
     if len(body) > THREAD_PARSE_BYTES:
-        request, identities = await trio.to_thread.run_sync(
-            validate_batch, body, host.runner, batch.id
-        )
+        request, checked = await trio.to_thread.run_sync(validate)
     else:
-        request, identities = validate_batch(body, host.runner, batch.id)
+        request, checked = validate()
     host.check_accepting()  # the body may have taken a while; the host may be stopping now
     admitted = [
-        host.episodes.admit_or_refuse(identity, batch.id, index)
-        for index, identity in enumerate(identities)
+        entry
+        if isinstance(entry, WireError)
+        else host.episodes.admit_or_refuse(entry, batch.id, index)
+        for index, entry in enumerate(checked)
     ]
     try:
         if not rows:

@@ -201,4 +201,5 @@ async def serve(
             server_tasks.cancel_scope.cancel()
         log_event("stopped_accepting", open_connections=host.stats.connections_open)
         connections.cancel_scope.deadline = trio.current_time() + config.shutdown_grace_s
+    await host.close_runner()
     log_event("stopped")

@@ -176,6 +176,12 @@ class Host:
         self.phase = Starting(stage)
         log_event("stage_started", stage=stage)
 
+    async def close_runner(self) -> None:
+        """Let the runner release what it holds (its optional ``aclose``), once serving ended."""
+        close = getattr(self._runner, "aclose", None)
+        if close is not None:
+            await close()
+
     def request_shutdown(self) -> None:
         """Stop accepting work; in-flight batches are answered ``shutting_down``."""
         if not self.shutdown_requested.is_set():

@@ -31,12 +31,14 @@ import trio
 import yaml
 
 from trio_gym.config import ServeConfig
+from trio_gym.errors import quote_body
 from trio_gym.http import (
     BodyFailed,
     ConnectFailed,
     Endpoint,
     HttpLimits,
     NoResponse,
+    Response,
     StreamOpener,
     encode_json,
     exchange,
@@ -47,7 +49,6 @@ from trio_gym.runners.base import ExampleContext
 
 AGENT_KEY: Final = "responses_api_agents"
 ENVIRONMENT_KEY: Final = "environment_servers"
-EXCERPT_BYTES: Final = 500
 
 
 class AgentError(Exception):
@@ -78,15 +79,15 @@ class AgentSettings:
         )
 
 
-def servers_of(deployment: Mapping[str, Any]) -> dict[str, Endpoint]:
-    """Agent name -> where to send its examples, from a Gym deployment's merged config.
+def routes_of(deployment: Mapping[str, Any]) -> dict[str, tuple[str, Endpoint]]:
+    """Agent name -> (server name, endpoint) its examples go to, from a Gym deployment's config.
 
     Each instance is ``name: {server_type: {implementation: {host, port, ...}}}``. An agent
-    fronted by exactly one environment server is reached through it; by several, it is
-    ambiguous and left out (name it with ``--agent``). Raises ``ValueError`` for a config that
-    is not shaped like Gym's.
+    fronted by exactly one environment server (whose implementation names it as
+    ``agent_server``) is reached through that server; by several, it is ambiguous and left
+    out (name it with ``--agent``).
     """
-    agents: dict[str, Endpoint] = {}
+    agents: dict[str, tuple[str, Endpoint]] = {}
     fronts: dict[str, list[tuple[str, Endpoint]]] = {}
     for name, instance in deployment.items():
         if not isinstance(instance, Mapping):
@@ -101,7 +102,7 @@ def servers_of(deployment: Mapping[str, Any]) -> dict[str, Endpoint]:
                     continue
                 endpoint = Endpoint(str(server["host"]), int(server["port"]), "")
                 if server_type == AGENT_KEY:
-                    agents[str(name)] = endpoint
+                    agents[str(name)] = (str(name), endpoint)
                 else:
                     reference = server.get("agent_server")
                     agent = reference.get("name") if isinstance(reference, Mapping) else None
@@ -110,11 +111,47 @@ def servers_of(deployment: Mapping[str, Any]) -> dict[str, Endpoint]:
                 break
     for agent, servers in fronts.items():
         if len(servers) == 1:
-            agents[agent] = servers[0][1]
+            agents[agent] = servers[0]
         else:
             agents.pop(agent, None)
             log_event("agent_ambiguous", agent=agent, servers=sorted(n for n, _ in servers))
     return agents
+
+
+async def read_deployment(
+    head: Endpoint, *, limits: HttpLimits, opener: StreamOpener = open_tcp
+) -> Mapping[str, Any]:
+    """A Gym head server's merged config (``GET /global_config_dict_yaml``: JSON-wrapped YAML).
+
+    Bounded by ``limits.read_timeout_s`` as a whole. Raises :class:`AgentError` saying what
+    went wrong.
+    """
+    where = f"the head server at {head.authority}"
+    with trio.move_on_after(limits.read_timeout_s) as timer:
+        try:
+            response = await exchange(
+                head,
+                "GET",
+                "/global_config_dict_yaml",
+                limits=limits,
+                max_response_bytes=64 * 1024 * 1024,
+                idle_timeout_s=limits.read_timeout_s,
+                opener=opener,
+            )
+        except (NoResponse, BodyFailed) as exc:
+            raise AgentError(f"cannot read {where}: {exc}") from exc
+    if timer.cancelled_caught:
+        raise AgentError(f"{where} did not answer within {limits.read_timeout_s:g} s")
+    if response.status != 200:
+        raise AgentError(f"{where} answered HTTP {response.status}: {quote_body(response.body)}")
+    try:
+        text = json.loads(response.body)
+        deployment = yaml.safe_load(text) if isinstance(text, str) else text
+    except (ValueError, RecursionError, yaml.YAMLError) as exc:
+        raise AgentError(f"{where} sent a config that is not JSON-wrapped YAML: {exc}") from exc
+    if not isinstance(deployment, Mapping):
+        raise AgentError(f"{where} sent a config that is not a mapping of servers")
+    return deployment
 
 
 class AgentDirectory:
@@ -134,7 +171,8 @@ class AgentDirectory:
         self._limits = limits
         self._opener = opener
         self._refresh_lock = trio.Lock()
-        self._refreshes = 0
+        self._reads = 0
+        self._last_failure: AgentError | None = None
 
     @property
     def learns(self) -> bool:
@@ -147,18 +185,31 @@ class AgentDirectory:
         return self._given.get(name) or self._learned.get(name)
 
     async def refresh(self) -> None:
-        """Read the head server's config again; concurrent callers share one read.
+        """Read the head server's config again; callers that wait meanwhile share its outcome.
 
         Raises :class:`AgentError` if the head server cannot be reached or read.
         """
         if self._head is None:
             return
-        seen = self._refreshes
+        seen = self._reads
         async with self._refresh_lock:
-            if self._refreshes != seen:  # someone else refreshed while we waited
+            if self._reads != seen:  # someone else read it while we waited: share the outcome
+                if self._last_failure is not None:
+                    raise self._last_failure
                 return
-            self._learned = await self._read_head_server(self._head)
-            self._refreshes += 1
+            try:
+                deployment = await read_deployment(
+                    self._head, limits=self._limits, opener=self._opener
+                )
+            except AgentError as exc:
+                self._last_failure = exc
+                raise
+            finally:
+                self._reads += 1
+            self._learned = {
+                agent: endpoint for agent, (_, endpoint) in routes_of(deployment).items()
+            }
+            self._last_failure = None
             log_event("agents_discovered", head_server=self._head.authority, agents=self.known())
 
     async def resolve(self, name: str) -> Endpoint:
@@ -171,31 +222,6 @@ class AgentDirectory:
             raise AgentError(f"unknown agent {name!r}; known agents: {self.known() or 'none'}")
         return found
 
-    async def _read_head_server(self, head: Endpoint) -> dict[str, Endpoint]:
-        where = f"the head server at {head.authority}"
-        try:
-            response = await exchange(
-                head,
-                "GET",
-                "/global_config_dict_yaml",
-                limits=self._limits,
-                max_response_bytes=64 * 1024 * 1024,
-                idle_timeout_s=self._limits.read_timeout_s,
-                opener=self._opener,
-            )
-        except (NoResponse, BodyFailed) as exc:
-            raise AgentError(f"cannot read {where}: {exc}") from exc
-        if response.status != 200:
-            raise AgentError(f"{where} answered HTTP {response.status}: {excerpt(response.body)}")
-        try:
-            text = json.loads(response.body)
-            deployment = yaml.safe_load(text) if isinstance(text, str) else text
-        except (ValueError, yaml.YAMLError) as exc:
-            raise AgentError(f"{where} sent a config that is not JSON-wrapped YAML: {exc}") from exc
-        if not isinstance(deployment, Mapping):
-            raise AgentError(f"{where} sent a config that is not a mapping of servers")
-        return servers_of(deployment)
-
 
 def agent_name(example: Mapping[str, Any]) -> str:
     """The agent an example names in ``agent_ref``; ``ValueError`` (the runner protocol's
@@ -205,11 +231,6 @@ def agent_name(example: Mapping[str, Any]) -> str:
     if not isinstance(name, str) or not name:
         raise ValueError('needs "agent_ref": {"name": "<agent>"} naming the agent to run it')
     return name
-
-
-def excerpt(body: bytes) -> str:
-    text = body[:EXCERPT_BYTES].decode("utf-8", "replace")
-    return repr(text) + (f" ... ({len(body)} bytes)" if len(body) > EXCERPT_BYTES else "")
 
 
 class AgentsRunner:
@@ -231,8 +252,18 @@ class AgentsRunner:
         self._slots: dict[Endpoint, trio.CapacityLimiter] = {}
 
     async def start(self) -> None:
-        """Learn the deployment from the head server, if there is one."""
-        await self.directory.refresh()
+        """Learn the deployment from the head server, if there is one; a head server that is
+        not up yet is tried ``connect_attempts`` times, with the same backoff as agents."""
+        attempts = self.settings.connect_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                await self.directory.refresh()
+                return
+            except AgentError as exc:
+                if attempt == attempts:
+                    raise AgentError(f"{exc} (after {attempts} attempt(s))") from exc
+                log_event("head_server_retry", attempt=attempt, error=str(exc))
+                await trio.sleep(self.settings.retry_backoff_s * attempt)
 
     def check_example(self, example: Mapping[str, Any]) -> None:
         name = agent_name(example)
@@ -242,38 +273,44 @@ class AgentsRunner:
             )
 
     async def run_example(self, example: Mapping[str, Any], context: ExampleContext) -> Any:
-        name = example["agent_ref"]["name"]
+        name = agent_name(example)
         endpoint = await self.directory.resolve(name)
+        response = await self._post(name, endpoint, encode_json(dict(example)))
+        where = f"agent {name!r} at {endpoint.authority}"
+        if not 200 <= response.status < 300:
+            raise AgentError(
+                f"{where} answered HTTP {response.status}: {quote_body(response.body)}"
+            )
+        try:
+            return json.loads(response.body)
+        except (ValueError, RecursionError) as exc:
+            quoted = quote_body(response.body)
+            raise AgentError(f"{where} answered with a body that is not JSON: {quoted}") from exc
+
+    async def _post(self, name: str, endpoint: Endpoint, body: bytes) -> Response:
+        """POST ``body`` to the agent's ``/run`` within its server's concurrency bound.
+
+        Only a connection that could not be made is tried again (waiting outside the bound);
+        a request that reached the agent is never sent twice: the agent may be running it.
+        """
         slots = self._slots.get(endpoint)
         if slots is None:
             slots = self._slots[endpoint] = trio.CapacityLimiter(self.settings.max_connections)
-        body = encode_json(dict(example))
-        async with slots:
-            response = await self._post(name, endpoint, body)
-        where = f"agent {name!r} at {endpoint.authority}"
-        if not 200 <= response.status < 300:
-            raise AgentError(f"{where} answered HTTP {response.status}: {excerpt(response.body)}")
-        try:
-            return json.loads(response.body)
-        except ValueError as exc:
-            quoted = excerpt(response.body)
-            raise AgentError(f"{where} answered with a body that is not JSON: {quoted}") from exc
-
-    async def _post(self, name: str, endpoint: Endpoint, body: bytes) -> Any:
         attempts = self.settings.connect_attempts
         for attempt in range(1, attempts + 1):
             try:
-                return await exchange(
-                    endpoint,
-                    "POST",
-                    "/run",
-                    body,
-                    limits=self.limits,
-                    max_response_bytes=self.settings.max_response_bytes,
-                    idle_timeout_s=self.settings.idle_timeout_s,
-                    headers=[("content-type", "application/json")],
-                    opener=self.opener,
-                )
+                async with slots:
+                    return await exchange(
+                        endpoint,
+                        "POST",
+                        "/run",
+                        body,
+                        limits=self.limits,
+                        max_response_bytes=self.settings.max_response_bytes,
+                        idle_timeout_s=self.settings.idle_timeout_s,
+                        headers=[("content-type", "application/json")],
+                        opener=self.opener,
+                    )
             except ConnectFailed as exc:
                 if attempt == attempts:
                     raise AgentError(
@@ -282,6 +319,5 @@ class AgentsRunner:
                 log_event("agent_connect_retry", agent=name, attempt=attempt, error=str(exc))
                 await trio.sleep(self.settings.retry_backoff_s * attempt)
             except (NoResponse, BodyFailed) as exc:
-                # It reached the agent, which may be running it: never sent twice.
                 raise AgentError(f"agent {name!r} at {endpoint.authority}: {exc}") from exc
         raise AssertionError("unreachable")

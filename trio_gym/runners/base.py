@@ -15,6 +15,9 @@ is a ``400`` naming it rather than a failure minutes into the batch.
 
 An optional ``async def start(self)`` runs once in the host's ``starting_runner`` stage (reach a
 registry, warm a cache); if it raises, ``/health`` reports ``bootstrap_failed`` with the reason.
+An optional ``async def aclose(self)`` runs once when the host has stopped serving.
+``check_example`` is called on the trio thread for small request bodies and on a worker thread
+for large ones (over 1 MiB): it must be a pure check, touching no trio or event-loop state.
 
 A runner whose episodes have steps reports each *step boundary* — the points between steps
 where the whole episode is plain JSON-able state — with ``await context.boundary(step, state)``,

@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import json
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Final, TypeVar
 
 import trio
 
-from trio_gym.http import Endpoint, HttpLimits, exchange
-from trio_gym.runners.agents import agent_name
+from trio_gym.http import Endpoint, HttpLimits
+from trio_gym.runners.agents import agent_name, read_deployment, routes_of
 from trio_gym.runners.base import ExampleContext
 
 T = TypeVar("T")
@@ -63,21 +62,32 @@ class AsyncioThread:
         finished = trio.Event()
         token = trio.lowlevel.current_trio_token()
         started: list[asyncio.Task[T]] = []
+        failed: list[BaseException] = []
 
         def start() -> None:  # runs on the asyncio thread
-            task = self._loop.create_task(make())
+            try:
+                task = self._loop.create_task(make())
+            except Exception as exc:  # make() itself raised: there is no task to wait for
+                failed.append(exc)
+                token.run_sync_soon(finished.set)
+                return
             task.add_done_callback(lambda _: token.run_sync_soon(finished.set))
             started.append(task)
+
+        def cancel() -> None:  # runs on the asyncio thread, after start()
+            if started:
+                started[0].cancel()
 
         self._loop.call_soon_threadsafe(start)
         try:
             await finished.wait()
         finally:
             if not finished.is_set():
-                # Scheduled after `start`, so the task exists by the time this runs.
-                self._loop.call_soon_threadsafe(lambda: started[0].cancel())
+                self._loop.call_soon_threadsafe(cancel)
                 with trio.move_on_after(CANCEL_GRACE_S, shield=True):
                     await finished.wait()
+        if failed:
+            raise failed[0]
         return started[0].result()
 
     def close(self) -> None:
@@ -100,29 +110,29 @@ class GymRunner:
         self._limits = limits or HttpLimits()
         self._asyncio = AsyncioThread()
         self._client: Any = None
+        self._routes: dict[str, str] = {}
 
     async def start(self) -> None:
         """Read the deployment from the head server and build Gym's client for it."""
-        response = await exchange(
-            self._head,
-            "GET",
-            "/global_config_dict_yaml",
-            limits=self._limits,
-            max_response_bytes=64 * 1024 * 1024,
-            idle_timeout_s=self._limits.read_timeout_s,
-        )
-        config_yaml = json.loads(response.body)
-        self._client = await self._asyncio.call(lambda: _gym_client(self._head, config_yaml))
+        deployment = await read_deployment(self._head, limits=self._limits)
+        self._routes = {agent: server for agent, (server, _) in routes_of(deployment).items()}
+        self._client = await self._asyncio.call(lambda: _gym_client(self._head, deployment))
+
+    async def aclose(self) -> None:
+        """Stop the asyncio thread (the host calls this when it stops)."""
+        self._asyncio.close()
 
     def check_example(self, example: Mapping[str, Any]) -> None:
         agent_name(example)
 
     async def run_example(self, example: Mapping[str, Any], context: ExampleContext) -> Any:
-        client, name = self._client, agent_name(example)
-        return await self._asyncio.call(lambda: _gym_run(client, name, dict(example)))
+        name = agent_name(example)
+        server = self._routes.get(name, name)  # through its environment server, as Gym routes
+        client = self._client
+        return await self._asyncio.call(lambda: _gym_run(client, server, dict(example)))
 
 
-async def _gym_client(head: Endpoint, config_yaml: str) -> Any:
+async def _gym_client(head: Endpoint, deployment: Mapping[str, Any]) -> Any:
     """Gym's ``ServerClient`` for the deployment; built on the asyncio thread, where it lives."""
     from nemo_gym.config_types import BaseServerConfig
     from nemo_gym.server_utils import ServerClient
@@ -130,7 +140,7 @@ async def _gym_client(head: Endpoint, config_yaml: str) -> Any:
 
     return ServerClient(
         head_server_config=BaseServerConfig(host=head.host, port=head.port),
-        global_config_dict=OmegaConf.create(config_yaml),
+        global_config_dict=OmegaConf.create(dict(deployment)),
     )
 
 

@@ -7,7 +7,7 @@ whose ``origin`` sends the reader to the right system:
 =====================================================  =========  =========
 what happened                                          origin     retried
 =====================================================  =========  =========
-no response headers (refused, reset, DNS, timeout)     proxy      yes
+no response headers (refused, reset, DNS, timeout)     proxy      yes (*)
 non-2xx with the host's ``{"error": {code, message}}``  sandbox    no
 a 2xx whose document is ``{"error": ...}``              sandbox    no
 a body of heartbeat whitespace only                    sandbox    no
@@ -17,6 +17,9 @@ any other non-2xx body (an HTML 502 page)              proxy      yes
 the body died after the headers arrived                proxy      no
 the request is over the host's size limit (413)        client     no
 =====================================================  =========  =========
+
+(*) Over HTTP/1.0 only a connection that never opened is retried: a 1.0 host answers only once
+the batch is done, so a missing head may hide a batch that ran.
 
 A chunk whose body had started is never re-sent: the host was already running it, and a
 second copy would run every example twice. Bugs in this process propagate as themselves.
@@ -33,6 +36,7 @@ import trio
 
 from trio_gym.http import (
     BodyFailed,
+    ConnectFailed,
     Endpoint,
     HttpLimits,
     NoResponse,
@@ -218,7 +222,9 @@ class RolloutClient:
                     on_data=heard.on_data,
                 )
             except NoResponse as exc:
-                raise RolloutError(str(exc), origin=Origin.PROXY, retryable=True) from exc
+                raise RolloutError(
+                    str(exc), origin=Origin.PROXY, retryable=self._unanswered_is_unstarted(exc)
+                ) from exc
             except BodyFailed as exc:
                 raise _body_failed(exc, heard) from exc
             elapsed = trio.current_time() - started
@@ -231,7 +237,19 @@ class RolloutClient:
                     status=response.status,
                 )
             return results
-        raise _deadline_passed(self.settings.request_deadline_s, self.endpoint, heard)
+        raise _deadline_passed(
+            self.settings.request_deadline_s, self.endpoint, heard, self._unanswered_is_unstarted()
+        )
+
+    def _unanswered_is_unstarted(self, failure: NoResponse | None = None) -> bool:
+        """Whether no response head means the host never started the chunk.
+
+        Over HTTP/1.1 the host sends its head as soon as the batch is accepted, so a missing
+        head means it never ran. An HTTP/1.0 host answers only when the batch is done: a
+        missing head may hide a batch that ran, and only a connection that never opened is
+        safe to retry.
+        """
+        return self.settings.http_version == "1.1" or isinstance(failure, ConnectFailed)
 
     def stream(self, examples: Sequence[Mapping[str, Any]]) -> RowStream:
         """Run ``examples`` as one request answered row by row (NDJSON), in completion order.
@@ -293,12 +311,14 @@ def _body_failed(failure: BodyFailed, heard: _Heard) -> RolloutError:
     )
 
 
-def _deadline_passed(waited: float, endpoint: Endpoint, heard: _Heard) -> RolloutError:
+def _deadline_passed(
+    waited: float, endpoint: Endpoint, heard: _Heard, retryable_without_head: bool
+) -> RolloutError:
     if heard.status is None:
         return RolloutError(
             f"no response headers from {endpoint.authority} within {waited:g} s",
             origin=Origin.PROXY,
-            retryable=True,
+            retryable=retryable_without_head,
         )
     return RolloutError(
         f"no complete answer within {waited:g} s (request_deadline_s) although the host kept "

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import enum
 import json
-from typing import Any, Final
+from typing import Any
 
-from trio_gym.errors import ErrorCode
-
-QUOTE_BYTES: Final = 512
+from trio_gym.errors import ErrorCode, quote_body
 
 
 class Origin(enum.StrEnum):
@@ -59,12 +57,6 @@ def _rebuild_error(
     return cls(message, origin=origin, retryable=retryable, status=status, code=code)
 
 
-def _quote(body: bytes) -> str:
-    text = body[:QUOTE_BYTES].decode("utf-8", "replace")
-    more = f" ... ({len(body)} bytes)" if len(body) > QUOTE_BYTES else ""
-    return f"{text!r}{more}"
-
-
 def _nested_error(document: Any) -> tuple[str, str] | None:
     if isinstance(document, dict) and set(document) == {"error"}:
         error = document["error"]
@@ -77,7 +69,7 @@ def decode_response(status: int, body: bytes, *, elapsed_s: float = 0.0) -> list
     """Turn one response into the chunk's results, or raise the :class:`RolloutError` for it."""
     try:
         document, parsed = json.loads(body.decode("utf-8")), True
-    except ValueError:  # not UTF-8 (UnicodeDecodeError is a ValueError) or not JSON
+    except (ValueError, RecursionError):  # not UTF-8 (a ValueError), not JSON, or absurdly deep
         document, parsed = None, False
     nested = _nested_error(document) if parsed else None
     if not 200 <= status < 300:
@@ -95,6 +87,14 @@ def decode_response(status: int, body: bytes, *, elapsed_s: float = 0.0) -> list
                 status=status,
                 code=code,
             )
+        if status == 413:  # whoever said it, the request is too large: re-sending cannot help
+            raise RolloutError(
+                f"HTTP 413 from something in front of the host: the request is too large for "
+                f"it; lower the chunk size. Body: {quote_body(body)}",
+                origin=Origin.CLIENT,
+                retryable=False,
+                status=status,
+            )
         if isinstance(document, dict) and {"code", "message"} <= set(document):
             raise RolloutError(
                 f"a proxy answered HTTP {status} {document['code']}: {document['message']}",
@@ -104,7 +104,7 @@ def decode_response(status: int, body: bytes, *, elapsed_s: float = 0.0) -> list
                 code=str(document["code"]),
             )
         raise RolloutError(
-            f"HTTP {status} with a body the host never sends (a proxy's page?): {_quote(body)}",
+            f"HTTP {status} with a body the host never sends (a proxy's page?): {quote_body(body)}",
             origin=Origin.PROXY,
             retryable=True,
             status=status,
@@ -125,7 +125,7 @@ def decode_response(status: int, body: bytes, *, elapsed_s: float = 0.0) -> list
         )
     if not parsed:
         raise RolloutError(
-            f"HTTP {status} with a body that is not UTF-8 JSON: {_quote(body)}",
+            f"HTTP {status} with a body that is not UTF-8 JSON: {quote_body(body)}",
             origin=Origin.SANDBOX,
             retryable=False,
             status=status,
@@ -141,7 +141,7 @@ def decode_response(status: int, body: bytes, *, elapsed_s: float = 0.0) -> list
         )
     if not isinstance(document, dict) or not isinstance(document.get("results"), list):
         raise RolloutError(
-            f"HTTP {status} with a document of unexpected shape: {_quote(body)}",
+            f"HTTP {status} with a document of unexpected shape: {quote_body(body)}",
             origin=Origin.SANDBOX,
             retryable=False,
             status=status,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import attrs
 import h11
@@ -67,7 +67,8 @@ class RowStream:
         self._examples = examples
         self._exchange: ClientExchange | None = None
         self._head: h11.Response | None = None
-        self._buffer = b""
+        self._buffer = bytearray()
+        self._searched = 0
         self._deadline = 0.0
         self._finished = False
         self.seen: set[int] = set()
@@ -167,14 +168,23 @@ class RowStream:
 
     async def _next_row(self) -> Row:
         while True:
-            line, separator, rest = self._buffer.partition(b"\n")
-            if separator:
-                self._buffer = rest
-                if not line.strip():
-                    self.heartbeats += 1
-                    continue
-                return self._parse(line)
-            await self._read_more()
+            end = self._buffer.find(b"\n", self._searched)
+            if end < 0:
+                self._searched = len(self._buffer)  # search only new bytes next time
+                if len(self._buffer) > self._client.settings.max_response_bytes:
+                    raise self._contract(
+                        f"a line longer than max_response_bytes="
+                        f"{self._client.settings.max_response_bytes}"
+                    )
+                await self._read_more()
+                continue
+            line = bytes(self._buffer[:end])
+            del self._buffer[: end + 1]
+            self._searched = 0
+            if not line.strip():
+                self.heartbeats += 1
+                continue
+            return self._parse(line)
 
     async def _read_more(self) -> None:
         assert self._exchange is not None and self._head is not None
@@ -205,14 +215,14 @@ class RowStream:
     def _parse(self, line: bytes) -> Row:
         try:
             document = json.loads(line)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise self._contract(f"a line that is not JSON: {line[:200]!r}") from exc
         if not isinstance(document, dict):
             raise self._contract(f"a line that is not an object: {line[:200]!r}")
         if document.get("done") is True:
             self._end(document)
         index = document.get("index")
-        if not isinstance(index, int) or not 0 <= index < len(self._examples):
+        if not _is_count(index) or not 0 <= index < len(self._examples):
             raise self._contract(f"a row with an index out of range: {line[:200]!r}")
         if index in self.seen:
             raise self._contract(f"a second row for example {index}")
@@ -236,7 +246,14 @@ class RowStream:
                 status=200,
                 code=str(error.get("code")),
             )
-        self.summary = StreamSummary(int(done.get("completed", 0)), int(done.get("failed", 0)))
+        completed, failed = done.get("completed"), done.get("failed")
+        if not _is_count(completed) or not _is_count(failed):
+            raise self._contract(f"a done line without counts: {done!r}")
+        if completed + failed != len(self.seen):
+            raise self._contract(
+                f"a done line counting {completed} + {failed} rows after {len(self.seen)} rows"
+            )
+        self.summary = StreamSummary(completed, failed)
         raise StopAsyncIteration
 
     def _contract(self, what: str) -> RolloutError:
@@ -246,3 +263,7 @@ class RowStream:
             retryable=False,
             status=200,
         )
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
