@@ -29,6 +29,8 @@ async def read_request(stream: trio.abc.Stream) -> bytes:
             body += event.data
         elif isinstance(event, h11.EndOfMessage):
             return body
+        elif isinstance(event, h11.ConnectionClosed):
+            raise EOFError("the client closed before sending a whole request")
 
 
 def respond(raw: bytes) -> Behaviour:

@@ -269,3 +269,13 @@ def test_write_manifest_helper_round_trips(tmp_path: Path) -> None:
     assert yaml.safe_load((tmp_path / "nemo-environment.yaml").read_text()) == {
         "format": "native-v1"
     }
+
+
+def test_a_bad_manifest_still_gets_every_problem_listed(tmp_path: Path) -> None:
+    root = wheels_package(tmp_path / "pkg")
+    edit_manifest(root, metadata={"name": ""}, extra=1)
+    (root / "notes.jsonl").write_text("{}\n")
+    problems = problems_of(root)
+    assert len(problems) == 3, problems  # two manifest problems, one file problem
+    assert any("metadata.name" in p for p in problems) and any("'extra'" in p for p in problems)
+    assert any(p.startswith("notes.jsonl: JSONL") for p in problems)

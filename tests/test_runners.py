@@ -9,7 +9,7 @@ import pytest
 import trio
 
 from tests.helpers import request_bytes, running_host, tcp_exchange
-from trio_gym.config import ServeConfig
+from trio_gym.config import ConfigError, ServeConfig, load_serve_config
 from trio_gym.runners import ExampleContext, ExampleRunner
 
 HANG_GUARD_S = 30
@@ -46,7 +46,6 @@ async def test_a_user_runners_check_refuses_a_bad_example_with_400() -> None:
 @pytest.mark.parametrize(
     ("spec", "fragment"),
     [
-        ("tests.user_runner", "expected 'example', 'agents', 'gym' or 'package.module:factory'"),
         ("tests.no_such_module:factory", "cannot import 'tests.no_such_module'"),
         ("tests.user_runner:missing", "has no attribute 'missing'"),
         ("tests.user_runner:not_a_runner", "returned object, which lacks check_example"),
@@ -69,6 +68,12 @@ class RecordingHooks:
 
     async def run_step(self, context: ExampleContext, step: Any, mode: str) -> Any:
         return await step()
+
+
+@pytest.mark.parametrize("spec", ["tests.user_runner", "tests.user_runner:", "a b:c", ""])
+def test_a_malformed_runner_spec_is_a_config_error_at_once(spec: str) -> None:
+    with pytest.raises(ConfigError, match="expected 'example', 'agents', 'gym' or"):
+        load_serve_config(environ={}, flags={"runner": spec})
 
 
 async def test_the_example_runner_reports_every_step_boundary_as_json() -> None:

@@ -29,7 +29,11 @@ from trio_gym.trainer.batch_file import run_file
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("port", int, "TCP port, 0 for any free one (default 8080)"),
-    "--runner": ("runner", str, "'example' or package.module:factory (default example)"),
+    "--runner": (
+        "runner",
+        str,
+        "example (the default), agents, gym, or package.module:factory",
+    ),
     "--heartbeat-interval": ("heartbeat_interval_s", float, "seconds between heartbeats (15)"),
     "--deadline": ("rollout_deadline_s", float, "longest a batch may run, seconds (1800)"),
     "--max-request-bytes": ("max_request_bytes", int, "largest request body (256 MiB)"),

@@ -36,7 +36,8 @@ class ServeConfig(BaseModel):
     host: str = Field(default="127.0.0.1", description="Address to bind.")
     port: int = Field(default=8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
     runner: str = Field(
-        default="example", description="'example', or a user runner as 'package.module:factory'."
+        default="example",
+        description="'example', 'agents', 'gym', or a user runner as 'package.module:factory'.",
     )
     heartbeat_interval_s: PositiveSeconds = Field(
         default=15.0,
@@ -102,6 +103,15 @@ class ServeConfig(BaseModel):
     agent_retry_backoff_s: PositiveSeconds = Field(
         default=0.5, description="Connection retry n waits n times this long."
     )
+
+    @field_validator("runner")
+    @classmethod
+    def _runner_spec(cls, runner: str) -> str:
+        if runner in ("example", "agents", "gym") or re.fullmatch(
+            r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", runner
+        ):
+            return runner
+        raise ValueError("expected 'example', 'agents', 'gym' or 'package.module:factory'")
 
     @field_validator("agents", mode="before")
     @classmethod
@@ -336,7 +346,14 @@ def load_caller_config(data: Any, *, source: str) -> CallerConfig:
 def describe_validation_error(
     exc: pydantic.ValidationError, sources: Mapping[str, str] | None = None
 ) -> str:
-    """One line per problem: where the value came from, what it was, what is wrong."""
+    """Every problem on one line: where the value came from, what it was, what is wrong."""
+    return "; ".join(validation_problems(exc, sources))
+
+
+def validation_problems(
+    exc: pydantic.ValidationError, sources: Mapping[str, str] | None = None
+) -> list[str]:
+    """One entry per problem: where the value came from, what it was, what is wrong."""
     lines = []
     for error in exc.errors():
         location = ".".join(str(part) for part in error["loc"])
@@ -351,4 +368,4 @@ def describe_validation_error(
             lines.append(f"{where}={error['input']!r}: {message}")
         else:
             lines.append(f"{location}: {message}")
-    return "; ".join(lines)
+    return lines

@@ -11,10 +11,10 @@ from trio_gym.http.client import (
     NoResponse,
     Response,
     StreamOpener,
+    build_request,
     exchange,
     open_tcp,
     read_response_head,
-    send_request,
 )
 from trio_gym.http.connection import ConnectionLost, HttpConnection
 from trio_gym.http.limits import HttpLimits
@@ -47,9 +47,9 @@ __all__ = [
     "open_tcp",
     "read_body",
     "read_request_head",
+    "build_request",
     "read_response_head",
     "send_body",
     "send_empty",
     "send_json",
-    "send_request",
 ]

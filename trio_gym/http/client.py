@@ -45,6 +45,10 @@ class Endpoint:
             raise ValueError(f"{url!r}: only http:// URLs are supported (got {parts.scheme!r})")
         if not parts.hostname:
             raise ValueError(f"{url!r}: the URL names no host")
+        if parts.query or parts.fragment:
+            raise ValueError(f"{url!r}: a base URL takes no query or fragment")
+        if any(character.isspace() or ord(character) < 32 for character in parts.path):
+            raise ValueError(f"{url!r}: the path has whitespace or control characters")
         return cls(parts.hostname, port or 80, parts.path.rstrip("/"))
 
     @property
@@ -106,7 +110,6 @@ class ClientExchange:
     def __init__(self, conn: HttpConnection, endpoint: Endpoint) -> None:
         self.conn = conn
         self.endpoint = endpoint
-        self.status: int | None = None
 
     @classmethod
     async def open(
@@ -150,12 +153,13 @@ class ClientExchange:
         pipe and never see the answer. So the head is awaited beside the upload, and an early
         head ends the upload. Raises :class:`NoResponse`.
         """
+        request = build_request(self.endpoint, method, path, body, headers)  # bugs raise here
         upload_failed: ConnectionLost | None = None
 
         async def upload() -> None:
             nonlocal upload_failed
             try:
-                await send_request(self.conn, self.endpoint, method, path, body, headers=headers)
+                await send_message(self.conn, request, body)
             except ConnectionLost as exc:
                 upload_failed = exc  # the answer may still be readable; the head decides
 
@@ -170,7 +174,6 @@ class ClientExchange:
         if failure is not None:
             cause = failure if upload_failed is None else f"{upload_failed}; then {failure}"
             raise NoResponse(f"no response from {self.endpoint.authority}: {cause}") from failure
-        self.status = head.status_code
         return head
 
     async def read_body(
@@ -242,20 +245,18 @@ async def exchange(
     return Response(head.status_code, tuple(head.headers), data)
 
 
-async def send_request(
-    conn: HttpConnection,
+def build_request(
     endpoint: Endpoint,
     method: str,
     path: str,
     body: bytes,
-    *,
     headers: Sequence[tuple[str, str]] = (),
-) -> None:
-    """Send one request framed by ``Content-Length`` (``0`` included).
+) -> h11.Request:
+    """A request framed by ``Content-Length`` (``0`` included) that closes the connection.
 
-    Raises :class:`~trio_gym.http.connection.ConnectionLost` if the peer is gone.
+    Raises ``h11.LocalProtocolError`` for a request HTTP cannot carry (a bug in the caller).
     """
-    request = h11.Request(
+    return h11.Request(
         method=method,
         target=endpoint.target(path),
         headers=[
@@ -265,7 +266,6 @@ async def send_request(
             *headers,
         ],
     )
-    await send_message(conn, request, body)
 
 
 async def read_response_head(conn: HttpConnection) -> h11.Response:

@@ -26,7 +26,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from trio_gym.config import describe_validation_error
+from trio_gym.config import validation_problems
 
 MANIFEST: Final = "nemo-environment.yaml"
 WHEELS_DIR: Final = "wheels"
@@ -131,9 +131,10 @@ def load_package(root: Path) -> EnvironmentPackage:
     """Validate the package at ``root``; raises :class:`PackageError` listing every problem."""
     problems: list[str] = []
     manifest = _load_manifest(root, problems)
+    if root.is_dir():
+        _check_tree(root, problems)
     if manifest is None:
         raise PackageError(root, problems)
-    _check_tree(root, problems)
     configs = _check_config_paths(root, manifest, problems)
     agents, resources = _inspect_components(root, configs, problems)
     wheels = _check_wheels(root, problems) if manifest.format == "wheels-v1" else []
@@ -178,7 +179,7 @@ def _load_manifest(root: Path, problems: list[str]) -> NativeManifest | WheelsMa
     try:
         return model.model_validate(data)
     except pydantic.ValidationError as exc:
-        problems.append(f"{MANIFEST}: {describe_validation_error(exc)}")
+        problems.extend(f"{MANIFEST}: {problem}" for problem in validation_problems(exc))
         return None
 
 
@@ -192,6 +193,8 @@ def _walk(root: Path) -> Iterator[Path]:
 def _check_tree(root: Path, problems: list[str]) -> None:
     for path in _walk(root):
         relative = path.relative_to(root).as_posix()
+        if relative == MANIFEST:
+            continue  # the manifest's own problems are _load_manifest's
         if path.is_symlink():
             problems.append(f"{relative}: is a symlink; packages ship real files only")
         elif path.suffix == ".jsonl":

@@ -103,17 +103,26 @@ async def _find_package(config: ServeConfig) -> EnvironmentPackage | None:
             )
         log_event("no_environment_package")
         return None
-    root = Path(config.environment_path)
+    return await trio.to_thread.run_sync(_open_package, Path(config.environment_path), required)
+
+
+def _open_package(root: Path, required: bool) -> EnvironmentPackage | None:
+    """The package at ``root`` (file reads only: runs in a worker thread)."""
+    if not root.is_dir():  # a path that names nothing is a mistake, required or not
+        raise InstallError(
+            f"the environment path {root} is not a directory; check --environment-path "
+            "(NMP_ENVIRONMENT_PATH) and that the package was copied into the sandbox"
+        )
     if not has_manifest(root):
         if required:
             raise InstallError(
                 f"no environment package at {root}: nemo-environment.yaml is missing; check "
-                "NMP_ENVIRONMENT_PATH and that the package was copied into the sandbox"
+                "--environment-path (NMP_ENVIRONMENT_PATH)"
             )
         log_event("no_environment_package", path=str(root))
         return None
     try:
-        return await trio.to_thread.run_sync(load_package, root)
+        return load_package(root)
     except PackageError as exc:
         raise InstallError(f"invalid environment package: {exc}") from exc
 
@@ -123,7 +132,8 @@ async def _install_wheels(
 ) -> Path:
     if not config.work_path:
         raise InstallError(
-            "a wheels-v1 package needs a writable work path to install into; set NMP_WORK_PATH"
+            "a wheels-v1 package needs a writable work path to install into; pass --work-path "
+            "(NMP_WORK_PATH)"
         )
     target = Path(config.work_path) / SITE_PACKAGES
     target.mkdir(parents=True, exist_ok=True)

@@ -92,6 +92,9 @@ def write_results(results: Sequence[Any], out: Path | None) -> None:
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as file:
             file.write(lines)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(temporary, 0o666 & ~umask)  # what open() would have given it, not mkstemp's 0600
         os.replace(temporary, out)
     finally:
         Path(temporary).unlink(missing_ok=True)  # gone already once it was renamed

@@ -140,9 +140,11 @@ class RowStream:
             if self._head.status_code != 200:
                 await self._refused(self._head)
             return
+        waited = client.settings.request_deadline_s
+        if self._head is not None:
+            raise self._cut(f"no complete refusal within {waited:g} s (request_deadline_s)")
         raise RolloutError(
-            f"no response headers from {client.endpoint.authority} within "
-            f"{client.settings.request_deadline_s:g} s",
+            f"no response headers from {client.endpoint.authority} within {waited:g} s",
             origin=Origin.PROXY,
             retryable=True,
         )
