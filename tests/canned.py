@@ -89,3 +89,8 @@ class CannedHost:
     async def _serve(self, stream: trio.abc.Stream, behaviour: Behaviour) -> None:
         self.requests.append(await read_request(stream))
         await behaviour(stream)
+
+
+async def stall(stream: trio.abc.Stream) -> None:
+    """Read the request, then never answer and never close."""
+    await trio.sleep_forever()

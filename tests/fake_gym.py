@@ -116,6 +116,10 @@ class FakeAgentServer:
         if fake.get("drop"):
             await stream.aclose()
             return
+        if fake.get("cut"):  # the head and part of the body, then gone
+            await stream.send_all(b"HTTP/1.1 200 X\r\ncontent-length: 100\r\n\r\n" + b"{" * 10)
+            await stream.aclose()
+            return
         if "status" in fake:
             await respond(stream, fake["status"], b"agent exploded: " + b"x" * 2000)
             return

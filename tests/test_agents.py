@@ -16,6 +16,8 @@ from tests.fake_gym import FakeAgentServer, FakeHeadServer, agent_instance, envi
 from tests.helpers import request_bytes, running_host, tcp_exchange
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
+from trio_gym.runners import AgentError, AgentSettings, AgentsRunner, ExampleContext
+from trio_gym.runners.agents import routes_of
 
 HANG_GUARD_S = 30
 ROWS = [("Accept", "application/x-ndjson")]
@@ -215,3 +217,77 @@ async def test_an_unreachable_head_server_fails_the_start_with_the_reason() -> N
     assert health.status == 503 and health.json()["status"] == "failed"
     message = health.json()["error"]["message"]
     assert "cannot read the head server" in message and "(after 2 attempt(s))" in message
+
+
+@pytest.mark.parametrize(
+    ("fake", "fragment"),
+    [({"cut": True}, "peer closed connection"), ({"status": 404}, "answered HTTP 404")],
+    ids=["body-cut-after-headers", "client-error-status"],
+)
+async def test_an_agent_that_answers_badly_fails_its_example_and_gets_it_once(
+    fake: dict[str, Any], fragment: str
+) -> None:
+    async with agents("odd") as servers:
+        urls = {"odd": f"http://127.0.0.1:{servers['odd'].port}"}
+        async with agents_host(agents=urls) as (host, port):
+            reply = await tcp_exchange(port, request_bytes({"examples": [example("odd", **fake)]}))
+    assert reply.json()["error"]["code"] == "internal"
+    assert fragment in reply.json()["error"]["message"]
+    assert len(servers["odd"].requests) == 1
+
+
+async def test_unknown_names_arriving_together_share_one_head_server_read() -> None:
+    async with agents("math") as servers:
+        head = FakeHeadServer({"math": agent_instance(servers["math"].port)})
+        async with trio.open_nursery() as nursery:
+            head_port = await nursery.start(head.serve)
+            async with agents_host(head_server=f"http://127.0.0.1:{head_port}") as (host, port):
+                batch = {"examples": [example(f"poetry{i}") for i in range(6)]}
+                await tcp_exchange(port, request_bytes(batch, headers=ROWS))
+            nursery.cancel_scope.cancel()
+    assert head.reads == 2  # once at start, once shared by all six unknown names
+
+
+def test_an_agent_fronted_by_two_environment_servers_is_ambiguous_and_left_out() -> None:
+    deployment = {
+        "a": agent_instance(1),
+        "b": agent_instance(2),
+        "env_b1": environment_instance(3, agent="b"),
+        "env_b2": environment_instance(4, agent="b"),
+        "env_a": environment_instance(5, agent="a"),
+    }
+    routes = routes_of(deployment)
+    assert set(routes) == {"a"} and routes["a"][0] == "env_a" and routes["a"][1].port == 5
+
+
+async def test_connection_retries_back_off_outside_the_servers_bound(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    tried: list[float] = []
+
+    async def refuse(endpoint: Any) -> trio.abc.Stream:
+        tried.append(trio.current_time())
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    settings = AgentSettings(
+        agents={"a": "http://agent.invalid:1"},
+        connect_attempts=4,
+        retry_backoff_s=2,
+        max_connections=1,
+    )
+    runner = AgentsRunner(settings, opener=refuse)
+    with pytest.raises(AgentError, match="after 4 attempt"):
+        await runner.run_example({"agent_ref": {"name": "a"}}, ExampleContext("b", 0))
+    assert [round(t - tried[0], 6) for t in tried] == [0, 2, 6, 12]  # waits of 1x, 2x, 3x backoff
+
+
+async def test_in_a_row_stream_an_example_naming_an_unknown_agent_is_a_sidecar_row() -> None:
+    async with agents("math") as servers:
+        urls = {"math": f"http://127.0.0.1:{servers['math'].port}"}
+        async with agents_host(agents=urls) as (host, port):
+            batch = {"examples": [example("poetry"), example("math")]}
+            reply = await tcp_exchange(port, request_bytes(batch, headers=ROWS))
+    lines = [json.loads(line) for line in reply.body.split(b"\n") if line.strip()]
+    refused = next(line for line in lines if line.get("index") == 0)
+    assert refused["error"]["code"] == "invalid_request" and "poetry" in refused["error"]["message"]
+    assert next(line for line in lines if line.get("index") == 1)["result"]["agent"] == "math"

@@ -15,13 +15,13 @@ import pytest
 import trio
 import trio.testing
 
-from tests.canned import CannedHost, chunked_response, hang_up, json_response, respond
+from tests.canned import CannedHost, chunked_response, hang_up, json_response, respond, stall
 from tests.framing_proxy import FramingProxy
 from tests.helpers import CountingRunner, running_host
 from tests.test_cli import LogReader
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
-from trio_gym.trainer import ClientSettings, Origin, RolloutClient, RolloutError
+from trio_gym.trainer import ClientSettings, Origin, RolloutClient, RolloutError, decode_response
 
 URL = "http://sandbox.invalid:8080"
 HANG_GUARD_S = 60
@@ -381,3 +381,74 @@ async def test_a_413_decided_while_the_client_still_uploads_is_read_as_a_client_
     assert failure.value.origin is Origin.CLIENT and not failure.value.retryable
     assert failure.value.status == 413
     assert "after 1 attempt(s)" in failure.value.message
+
+
+async def test_a_client_deadline_before_any_head_is_retried(autojump_clock: trio.abc.Clock) -> None:
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [stall])
+        settings = ClientSettings(request_deadline_s=10, backoff_s=0)
+        client = RolloutClient(URL, settings, opener=canned.open)
+        with pytest.raises(RolloutError) as failure:
+            await client.run([{"seed": 1}])
+        nursery.cancel_scope.cancel()
+    assert failure.value.origin is Origin.PROXY and "no response headers" in failure.value.message
+    assert canned.connections == 3
+
+
+@pytest.mark.parametrize(
+    ("behaviour", "sent"), [(hang_up, 1), (CannedHost.REFUSE, 3)], ids=["hang-up", "refused"]
+)
+async def test_over_http_10_only_a_connection_that_never_opened_is_retried(
+    behaviour: Any, sent: int
+) -> None:
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [behaviour])
+        settings = ClientSettings(http_version="1.0", backoff_s=0)
+        with pytest.raises(RolloutError):
+            await RolloutClient(URL, settings, opener=canned.open).run([{"seed": 1}])
+    assert canned.connections == sent  # a 1.0 host may have run a batch it never answered
+
+
+def test_a_heartbeat_only_body_names_both_likely_causes() -> None:
+    with pytest.raises(RolloutError) as quick:
+        decode_response(200, b"   ", elapsed_s=5)
+    with pytest.raises(RolloutError) as late:
+        decode_response(200, b"   ", elapsed_s=300)
+    assert "stopped answering mid-batch" in quick.value.message
+    assert "proxy read timeout" not in quick.value.message
+    assert "proxy read timeout" in late.value.message and "OOMKilled" in late.value.message
+
+
+async def test_a_response_over_the_clients_limit_is_a_client_failure() -> None:
+    big = json_response(200, b'{"results": ["' + b"x" * 5000 + b'"]}')
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [respond(big)])
+        client = RolloutClient(URL, ClientSettings(max_response_bytes=1000), opener=canned.open)
+        with pytest.raises(RolloutError) as failure:
+            await client.run([{"seed": 1}])
+    assert failure.value.origin is Origin.CLIENT and not failure.value.retryable
+    assert len(canned.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "origin"),
+    [
+        (json_response(502, b"[" * 100_000), Origin.PROXY),
+        (json_response(200, b"[" * 100_000), Origin.SANDBOX),
+        (HTML_502.replace(b"502 Bad Gateway", b"413 Too Large!!"), Origin.CLIENT),
+    ],
+    ids=["deep-502", "deep-200", "proxy-html-413"],
+)
+async def test_odd_bodies_are_classified_not_raised(raw: bytes, origin: Origin) -> None:
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [respond(raw)])
+        client = RolloutClient(URL, ClientSettings(backoff_s=0), opener=canned.open)
+        with pytest.raises(RolloutError) as failure:
+            await client.run([{"seed": 1}])
+    assert failure.value.origin is origin
+
+
+def test_a_url_with_a_query_or_spaces_is_refused_up_front() -> None:
+    for url in ("http://h:1/a?b=1", "http://h:1/a b", "https://h:1"):
+        with pytest.raises(ValueError, match="http"):
+            RolloutClient(url)

@@ -12,7 +12,7 @@ from tests.helpers import CountingRunner
 from tests.test_client import URL, in_memory
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
-from trio_gym.trainer import Origin, RolloutClient, RolloutError, Row, StreamSummary
+from trio_gym.trainer import ClientSettings, Origin, RolloutClient, RolloutError, Row, StreamSummary
 
 
 async def collect(client: RolloutClient, examples: list[dict[str, Any]]) -> tuple[list[Row], Any]:
@@ -113,3 +113,53 @@ async def test_leaving_the_stream_early_cancels_the_rest_on_the_host(
         with trio.fail_after(100):
             await runner.wait_for(lambda r: len(r.cancelled) == 2)
     assert sorted(index for index, _ in runner.cancelled) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("lines", "fragment"),
+    [
+        ([b'{"index": 0, "result": 1}\n', b'{"index": 0, "result": 2}\n'], "a second row"),
+        ([b'{"index": true, "result": 1}\n'], "index out of range"),
+        (
+            [b'{"index": 0, "result": 1}\n', b'{"done": true, "completed": 2, "failed": 0}\n'],
+            "after 1 rows",
+        ),
+        (
+            [b'{"index": 0, "result": 1}\n', b'{"done": true, "completed": "n/a"}\n'],
+            "without counts",
+        ),
+        ([b"[" * 100_000 + b"\n"], "not JSON"),
+    ],
+    ids=["duplicate", "bool-index", "wrong-count", "no-counts", "deep"],
+)
+async def test_rows_that_break_the_contract_are_sandbox_failures(
+    lines: list[bytes], fragment: str
+) -> None:
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [respond(chunked_response(*lines))])
+        with pytest.raises(RolloutError) as failure:
+            await collect(RolloutClient(URL, opener=canned.open), [{"a": 1}, {"a": 2}])
+    assert failure.value.origin is Origin.SANDBOX and fragment in failure.value.message
+
+
+async def test_a_line_longer_than_the_limit_is_refused_without_buffering_it_all() -> None:
+    endless = chunked_response(b"x" * 65536, b"x" * 65536, b"x" * 65536, end=False)
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [respond(endless)])
+        client = RolloutClient(URL, ClientSettings(max_response_bytes=100_000), opener=canned.open)
+        with pytest.raises(RolloutError, match="longer than max_response_bytes"):
+            await collect(client, [{"a": 1}])
+
+
+async def test_the_client_deadline_bounds_a_row_stream_that_never_ends(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    host = Host(ServeConfig(port=0, rollout_deadline_s=10**6), runner=CountingRunner())
+    async with trio.open_nursery() as nursery:
+        settings = ClientSettings(request_deadline_s=100)
+        client = RolloutClient(URL, settings, opener=in_memory(nursery, host))
+        start = trio.current_time()
+        with pytest.raises(RolloutError, match="no done line within 100 s") as failure:
+            await collect(client, [{"seed": 1, "meetings": 12, "think_s": 3600}])
+        assert trio.current_time() - start == 100
+    assert failure.value.origin is Origin.PROXY and not failure.value.retryable

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import pytest
 import trio
@@ -94,3 +95,16 @@ async def test_the_gym_runner_runs_examples_through_gym_against_fake_servers() -
             reply = await tcp_exchange(port, request_bytes(batch))
         nursery.cancel_scope.cancel()
     assert reply.json()["results"][0]["agent"] == "math"
+
+
+async def test_a_coroutine_factory_that_raises_is_reported_not_hung() -> None:
+    bridge = AsyncioThread()
+
+    def broken() -> Any:
+        raise TypeError("not a coroutine factory after all")
+
+    try:
+        with trio.fail_after(HANG_GUARD_S), pytest.raises(TypeError, match="factory"):
+            await bridge.call(broken)
+    finally:
+        bridge.close()

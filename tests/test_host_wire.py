@@ -507,3 +507,24 @@ async def test_garbage_storm_never_kills_the_server() -> None:
         health = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
     assert health.status == 200
     assert len(statuses) == 200 and set(statuses) <= {400, 431, 501, 505}
+
+
+async def test_a_result_nested_too_deeply_to_encode_fails_its_example_cleanly() -> None:
+    class Deep(ScriptedRunner):
+        async def run_example(self, example: Any, context: Any) -> Any:
+            if context.index == 0:
+                return {"ok": True}
+            nested: list[Any] = []
+            for _ in range(5000):
+                nested = [nested]
+            return {"deep": nested}
+
+    async with running_host(runner=Deep()) as (host, port):
+        document = await tcp_exchange(port, request_bytes({"examples": [{}, {}]}))
+        rows = await tcp_exchange(
+            port,
+            request_bytes({"examples": [{}, {}]}, headers=[("Accept", "application/x-ndjson")]),
+        )
+    assert document.complete and "example 1 is not JSON" in document.json()["error"]["message"]
+    lines = [json.loads(line) for line in rows.body.split(b"\n") if line.strip()]
+    assert lines[-1] == {"done": True, "completed": 1, "failed": 1}
