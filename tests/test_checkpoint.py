@@ -353,3 +353,29 @@ async def test_a_restore_with_the_wrong_participants_changes_nothing(
     assert refused.value.code == "export_invalid" and "participants" in refused.value.message
     assert status["counts"]["restored"] == 0 and status["admission"] == "open"
     assert len(fresh.runner.inner.store) == 0  # nothing restored into the store either
+
+
+async def test_episodes_that_cannot_be_captured_are_restarts_never_waited_for_or_exported(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    from tests.helpers import ScriptedRunner
+
+    runner = CountingRunner(ScriptedRunner())  # reports no boundaries: an opaque agent
+    host = Host(ServeConfig(port=0, control_token=TOKEN), runner=runner, wall_time=wall)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(host.checkpoints.watch_lease)
+        opener = in_memory(nursery, host)
+        control = HostControl("http://host:1", TOKEN, opener=opener, wall_time=wall)
+        client = RolloutClient(URL, opener=opener)
+        nursery.start_soon(client.run, [{"sleep_s": 50, "_ng_rollout_id": "opaque"}])
+        await trio.sleep(1)
+        prepared = await control.prepare("c1", timeout_s=100)
+        assert trio.current_time() == 1  # nothing to wait for
+        committed = await control.commit("c1", str(tmp_path / "export"), timeout_s=10)
+        await control.resume("c1", timeout_s=5)
+        await runner.wait_for(lambda r: len(r.completed) == 1)  # it kept running throughout
+        nursery.cancel_scope.cancel()
+    assert prepared["phase"] == "prepared"
+    assert prepared["restarts"] == {"count": 1, "sample": ["opaque"]}
+    assert committed["capture_keys"] == []
+    assert runner.completed[0][1] == 50  # started at 0 s, never held back

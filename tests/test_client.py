@@ -452,3 +452,11 @@ def test_a_url_with_a_query_or_spaces_is_refused_up_front() -> None:
     for url in ("http://h:1/a?b=1", "http://h:1/a b", "https://h:1"):
         with pytest.raises(ValueError, match="http"):
             RolloutClient(url)
+
+
+async def test_a_host_deadline_over_loopback_is_a_sandbox_failure() -> None:
+    async with running_host(runner=CountingRunner(), rollout_deadline_s=0.3) as (host, port):
+        client = RolloutClient(f"http://127.0.0.1:{port}", ClientSettings(backoff_s=0))
+        with pytest.raises(RolloutError) as failure:
+            await client.run(episodes(2, think_s=5))
+    assert failure.value.origin is Origin.SANDBOX and failure.value.code == "deadline_exceeded"
