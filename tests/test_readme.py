@@ -75,3 +75,26 @@ async def test_the_runner_example_is_a_runner_that_runs() -> None:
         assert "prompt" in str(exc)
     else:
         raise AssertionError("check_example accepted an example without a prompt")
+
+
+async def test_the_row_stream_program_runs_against_a_live_host(tmp_path: Path) -> None:
+    import sys
+
+    import trio
+
+    from tests.helpers import CountingRunner, running_host
+
+    program = next(b for b in code_blocks("python") if "client.stream(" in b)
+    async with running_host(runner=CountingRunner()) as (host, port):
+        script = tmp_path / "rows.py"
+        script.write_text(program.replace("127.0.0.1:8080", f"127.0.0.1:{port}"))
+        with trio.fail_after(60):
+            done = await trio.run_process(
+                [sys.executable, str(script)], capture_stdout=True, capture_stderr=True
+            )
+    assert b"StreamSummary(completed=4, failed=0) []" in done.stdout
+
+
+def test_the_checkpoint_example_compiles() -> None:
+    block = next(b for b in code_blocks("python") if "HostControl(" in b)
+    compile(block, "README.md", "exec")
