@@ -103,11 +103,11 @@ async def test_prepare_parks_at_boundaries_and_reports_a_long_wait_step_as_a_blo
             "batch", [episode("quick", think_s=10), episode("slow", think_s=1000)]
         )
         await trio.sleep(15)  # quick is in its second step, slow in its first
-        first = await r.control.prepare("c1", timeout_s=20, lease_s=5000)
+        first = await r.control.prepare("c1", timeout_s=20, lease_s=3000)
         assert first["phase"] == "preparing" and trio.current_time() == 35
         assert first["blockers"] == {"count": 1, "sample": ["slow"]}
         assert first["parked"] == {"count": 1, "sample": ["quick"]}  # parked at 20 s
-        second = await r.control.prepare("c1", timeout_s=2000, lease_s=5000)
+        second = await r.control.prepare("c1", timeout_s=2000, lease_s=3000)
         assert second["phase"] == "prepared" and trio.current_time() == 1000
         await trio.sleep(100)  # parked: nothing moves
         assert r.host.checkpoints.status()["counts"]["parked"] == 2

@@ -118,9 +118,10 @@ async def run_example(host: Host, example: Mapping[str, Any], episode: LiveEpiso
         episode.batch_id,
         episode.index,
         capture_key=episode.id.capture_key,
-        restored=episode.restored,
+        restored=episode.restored.state if episode.restored is not None else None,
         hooks=host.episodes,
     )
+    episode.started = True
     host.stats.examples_started += 1
     # Counted in `finally`: a runner with a nursery of its own ends a cancellation with a group
     # of Cancelled, which `except trio.Cancelled` would not see.

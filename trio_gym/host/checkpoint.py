@@ -11,8 +11,8 @@ Every call names a ``checkpoint_id``. While one is active, another id is
 ``checkpoint_conflict``; an id already resumed is ``stale_checkpoint``; an operation that
 completed replays its reply. ``prepare`` closes admission and waits — on the episode registry's
 changes, never by polling — until every capturable episode is parked at a step boundary, or its
-deadline; ``preparing`` replies name the blockers. While admission is closed every batch's
-deadline is frozen (its remaining time kept), and it runs on from there after the resume.
+deadline; ``preparing`` replies name the blockers. While one of a batch's episodes is parked,
+that batch's deadline stands still (its remaining time kept) and runs on after the resume.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ import contextlib
 import enum
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
+import pydantic
 import trio
+from pydantic import BaseModel, ConfigDict, Field
 
+from trio_gym.config import describe_validation_error
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.logs import log_event
 from trio_gym.runners.base import StateParticipant
@@ -35,6 +38,7 @@ from .episodes import EpisodeId, Episodes, LiveEpisode, RestoredEpisode
 from .export import FORMAT, ParticipantExport, invalid, publish_manifest, read_export, write_records
 
 HOST_PARTICIPANT: Final = ("host", "episodes")
+MAX_LEASE_S: Final = 3600.0  # a lease (and the wait a prepare adds to it) is at most an hour
 SAMPLE: Final = 16  # blockers and restarts listed by name in a reply; the count is always whole
 REMEMBERED_IDS: Final = 4096  # resumed ids kept to refuse them as stale; older ones are forgotten
 
@@ -73,40 +77,35 @@ class Checkpoints:
         self._resumed: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._export: trio.CancelScope | None = None
         self._lease_changed = trio.Event()
-        self._batches: set[trio.CancelScope] = set()
-        self._paused: dict[trio.CancelScope, float] | None = None
-        """While admission is closed: each batch deadline's remaining seconds, frozen."""
+        self._batches: dict[str, trio.CancelScope] = {}
+        self._frozen: dict[str, float] = {}
+        """Batch id -> its deadline's remaining seconds, frozen while an episode of it is parked."""
+        self._committing: set[str] = set()
+        episodes.on_park = self._freeze_batch
 
     # --- batch deadlines ------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def batch_deadline(self, scope: trio.CancelScope) -> Iterator[None]:
-        """Track a batch's deadline scope so that time in a checkpoint does not count."""
-        self._batches.add(scope)
-        if self._paused is not None:
-            self._freeze(scope)
+    def batch_deadline(self, batch_id: str, scope: trio.CancelScope) -> Iterator[None]:
+        """Track a batch's deadline scope: while one of its episodes is parked, its deadline
+        stands still (time parked is not charged), and runs on from there on resume."""
+        self._batches[batch_id] = scope
         try:
             yield
         finally:
-            self._batches.discard(scope)
-            if self._paused is not None:
-                self._paused.pop(scope, None)
+            del self._batches[batch_id]
+            self._frozen.pop(batch_id, None)
 
-    def _freeze(self, scope: trio.CancelScope) -> None:
-        assert self._paused is not None
-        self._paused[scope] = scope.deadline - trio.current_time()
-        scope.deadline = math.inf
+    def _freeze_batch(self, live: LiveEpisode) -> None:
+        scope = self._batches.get(live.batch_id)
+        if scope is not None and live.batch_id not in self._frozen:
+            self._frozen[live.batch_id] = scope.deadline - trio.current_time()
+            scope.deadline = math.inf
 
-    def _pause_deadlines(self) -> None:
-        if self._paused is None:
-            self._paused = {}
-            for scope in self._batches:
-                self._freeze(scope)
-
-    def _unpause_deadlines(self) -> None:
-        for scope, remaining in (self._paused or {}).items():
-            scope.deadline = trio.current_time() + remaining
-        self._paused = None
+    def _thaw_batches(self) -> None:
+        for batch_id, remaining in self._frozen.items():
+            self._batches[batch_id].deadline = trio.current_time() + remaining
+        self._frozen.clear()
 
     # --- time ---------------------------------------------------------------------------
 
@@ -139,11 +138,17 @@ class Checkpoints:
     # --- the id rules -------------------------------------------------------------------
 
     def _check_id(self, checkpoint_id: str) -> None:
+        self._check_not_stale(checkpoint_id)
+        self._check_no_conflict(checkpoint_id)
+
+    def _check_not_stale(self, checkpoint_id: str) -> None:
         if checkpoint_id in self._resumed:
             raise WireError(
                 ErrorCode.STALE_CHECKPOINT,
                 f"checkpoint {checkpoint_id} was already resumed; start a new one with a new id",
             )
+
+    def _check_no_conflict(self, checkpoint_id: str) -> None:
         if self.checkpoint_id is not None and checkpoint_id != self.checkpoint_id:
             raise WireError(
                 ErrorCode.CHECKPOINT_CONFLICT,
@@ -180,14 +185,15 @@ class Checkpoints:
             return replay
         if self.phase is Phase.IDLE:
             self.phase, self.checkpoint_id = Phase.PREPARING, checkpoint_id
-            self._pause_deadlines()
             self.episodes.start_parking()
             log_event("checkpoint_preparing", checkpoint_id=checkpoint_id)
         elif self.phase is not Phase.PREPARING:
             raise self._wrong_phase("prepare", "idle")
         call_deadline = self.trio_deadline(deadline)
-        # A caller waiting on this call is alive: the lease runs from the call's deadline.
-        self._set_lease(max(call_deadline - trio.current_time(), 0) + lease_s)
+        # A caller waiting on this call is alive: the lease runs from the call's deadline
+        # (within the same cap as a lease, so a far deadline cannot make it endless).
+        waiting = min(max(call_deadline - trio.current_time(), 0), MAX_LEASE_S)
+        self._set_lease(waiting + lease_s)
         with trio.move_on_at(call_deadline):
             while self.episodes.blockers() and self.phase is Phase.PREPARING:
                 await self.episodes.wait_for_change()
@@ -239,8 +245,16 @@ class Checkpoints:
                     f"checkpoint {checkpoint_id} was committed to another directory or scope",
                 )
             return replay
+        if checkpoint_id in self._committing:
+            raise WireError(
+                ErrorCode.CHECKPOINT_CONFLICT,
+                f"checkpoint {checkpoint_id} is being committed by an earlier call; retry for "
+                "its reply",
+            )
         if self.phase is not Phase.PREPARED:
             raise self._wrong_phase("commit", "prepared")
+        if capture_keys is not None and len(set(capture_keys)) != len(capture_keys):
+            raise WireError(ErrorCode.INVALID_REQUEST, "capture_keys lists a key twice")
         if self.episodes.blockers():
             raise self._wrong_phase("commit", "prepared with every episode parked")
         parked = {live.id.capture_key: live for live in self.episodes.parked()}
@@ -253,30 +267,34 @@ class Checkpoints:
             )
         episodes = [parked[key] for key in keys]
         participant = self._participant()
-        # Gathered here, on the trio thread; only the file I/O goes to a worker thread.
         records = [(*HOST_PARTICIPANT, [_host_record(live) for live in episodes])]
         if participant is not None:
             records.append((*participant.participant, participant.export_records(keys)))
         # The files are written on the trio thread, a participant at a time with a yield
         # between: an export is small next to a batch, the episodes are parked anyway, and a
         # worker thread would let a test's virtual clock leap while the disk works.
-        exports = []
-        with trio.move_on_at(self.trio_deadline(deadline)) as self._export:
-            for server_name, kind, rows in records:
-                exports.append(write_records(directory, server_name, kind, rows))
-                await trio.lowlevel.checkpoint()
-            path = publish_manifest(directory, _manifest(checkpoint_id, exports, episodes))
-        if self._export.cancelled_caught:
+        self._committing.add(checkpoint_id)
+        try:
+            with trio.move_on_at(self.trio_deadline(deadline)) as export:
+                self._export = export
+                exports = []
+                for server_name, kind, rows in records:
+                    exports.append(write_records(directory, server_name, kind, rows))
+                    await trio.lowlevel.checkpoint()
+                if self.checkpoint_id == checkpoint_id:  # a resume meanwhile: never publish
+                    path = publish_manifest(directory, _manifest(checkpoint_id, exports, episodes))
+        finally:
             self._export = None
-            if self.checkpoint_id != checkpoint_id:
-                raise WireError(
-                    ErrorCode.STALE_CHECKPOINT,
-                    f"checkpoint {checkpoint_id} was resumed before its export was published",
-                )
+            self._committing.discard(checkpoint_id)
+        if self.checkpoint_id != checkpoint_id:
+            raise WireError(
+                ErrorCode.STALE_CHECKPOINT,
+                f"checkpoint {checkpoint_id} was resumed before its export was published",
+            )
+        if export.cancelled_caught:
             raise WireError(
                 ErrorCode.DEADLINE_EXCEEDED, "the export did not finish before the call's deadline"
             )
-        self._export = None
         self.phase = Phase.COMMITTED
         reply = {
             "phase": Phase.COMMITTED.value,
@@ -305,8 +323,10 @@ class Checkpoints:
     def _resume(self, checkpoint_id: str) -> dict[str, Any]:
         if self._export is not None:
             self._export.cancel()  # an unfinished export must never publish
-        self._unpause_deadlines()
+        self._thaw_batches()
         self.episodes.release(reopen=True)
+        for key in [key for key in self._replies if key[1] == checkpoint_id]:
+            del self._replies[key]  # only the resume is remembered of a finished checkpoint
         self.phase, self.checkpoint_id, self.lease_until = Phase.IDLE, None, None
         self._lease_changed.set()
         self._lease_changed = trio.Event()
@@ -317,10 +337,9 @@ class Checkpoints:
         log_event("checkpoint_resumed", checkpoint_id=checkpoint_id)
         return reply
 
-    async def restore(
+    def restore(
         self,
         checkpoint_id: str,
-        deadline: float,
         directory: Path,
         capture_keys: Sequence[str] | None,
         lease_s: float,
@@ -330,8 +349,9 @@ class Checkpoints:
             return replay
         if self.phase is not Phase.IDLE:
             raise self._wrong_phase("restore", "idle")
-        export = read_export(directory)  # on the trio thread, as commit writes it
-        await trio.lowlevel.checkpoint()
+        # Read, checked and installed on the trio thread with no await: nothing else can
+        # change the phase in between.
+        export = read_export(directory)
         participant = self._participant()
         expected = {HOST_PARTICIPANT} | ({participant.participant} if participant else set())
         if set(export.records) != expected:
@@ -339,22 +359,36 @@ class Checkpoints:
                 f"{directory}: the export's participants {sorted(export.records)} are not this "
                 f"host's {sorted(expected)}; nothing was restored"
             )
-        episodes = {record["capture_key"]: record for record in export.records[HOST_PARTICIPANT]}
-        keys = sorted(episodes) if capture_keys is None else sorted(capture_keys)
+        episodes = _host_records(directory, export.records[HOST_PARTICIPANT])
+        keys = sorted(episodes) if capture_keys is None else sorted(set(capture_keys))
         missing = [key for key in keys if key not in episodes]
         if missing:
             raise invalid(
                 f"{directory}: {len(missing)} capture key(s) not exported: {missing[:SAMPLE]}"
             )
+        for kind, records in export.records.items():
+            held = {record["capture_key"] for record in records}
+            if held != set(episodes):
+                raise invalid(
+                    f"{directory}: participant {kind} holds records for {len(held)} episode(s), "
+                    f"the host for {len(episodes)}; the export is inconsistent, nothing restored"
+                )
         restored = [
             RestoredEpisode(
-                EpisodeId(episodes[key]["rollout_id"], episodes[key]["attempt"] + 1),
-                episodes[key]["step"],
-                episodes[key]["state"],
+                EpisodeId(episodes[key].rollout_id, episodes[key].attempt + 1),
+                episodes[key].step,
+                episodes[key].state,
             )
             for key in keys
         ]
         renames = {key: episode.id.capture_key for key, episode in zip(keys, restored, strict=True)}
+        taken = [new for new in renames.values() if self.episodes.knows(new)]
+        if taken:
+            raise WireError(
+                ErrorCode.CHECKPOINT_CONFLICT,
+                f"{len(taken)} episode(s) of this export were already restored here: "
+                f"{taken[:SAMPLE]}",
+            )
         if participant is not None:
             records = [
                 r for r in export.records[participant.participant] if r["capture_key"] in renames
@@ -362,7 +396,6 @@ class Checkpoints:
             participant.restore_records(records, renames)
         self.episodes.install(restored)
         self.episodes.close_admission()
-        self._pause_deadlines()
         self.phase, self.checkpoint_id = Phase.RESTORED, checkpoint_id
         self._set_lease(lease_s)
         reply = {
@@ -384,13 +417,34 @@ class Checkpoints:
         log_event("checkpoint_restored", checkpoint_id=checkpoint_id, episodes=len(restored))
         return reply
 
+    def _check_idle_or_restored(self, operation: str, checkpoint_id: str) -> None:
+        """retire and forget run only outside an open checkpoint; while restored, under the
+        restore's id (a trainer retires what a failed restore left, then resumes)."""
+        if self.phase not in (Phase.IDLE, Phase.RESTORED):
+            raise self._wrong_phase(operation, "idle or restored (not while a checkpoint is open)")
+        self._check_no_conflict(checkpoint_id)
+
+    def _replay(self, operation: str, checkpoint_id: str, body: object) -> dict[str, Any] | None:
+        """The reply of a completed identical call; a different call under the same id is a
+        conflict."""
+        stored = self._replies.get((operation, checkpoint_id))
+        if stored is None:
+            return None
+        if stored["request"] != body:
+            raise WireError(
+                ErrorCode.CHECKPOINT_CONFLICT,
+                f"{operation} {checkpoint_id} was already done with other arguments; use a new id",
+            )
+        return stored["reply"]  # type: ignore[no-any-return]
+
     async def retire(
         self, checkpoint_id: str, deadline: float, rollouts: Sequence[tuple[str, int]]
     ) -> dict[str, Any]:
-        if replay := self._replies.get(("retire", checkpoint_id)):
+        request = sorted(rollouts)
+        self._check_not_stale(checkpoint_id)
+        if (replay := self._replay("retire", checkpoint_id, request)) is not None:
             return replay
-        if self.phase not in (Phase.IDLE, Phase.RESTORED):
-            raise self._wrong_phase("retire", "idle or restored (not while a checkpoint is open)")
+        self._check_idle_or_restored("retire", checkpoint_id)
         stopping: list[LiveEpisode] = []
         participant = self._participant()
         for rollout_id, attempt in rollouts:
@@ -409,20 +463,58 @@ class Checkpoints:
         ]
         reply = {
             "checkpoint_id": checkpoint_id,
+            "complete": not still,
             "retired": [{"rollout_id": rid, "attempt": attempt} for rid, attempt in rollouts],
             "stopped": len(stopping) - len(still),
             "still_stopping": _sample(still),
         }
         if not still:
-            self._replies[("retire", checkpoint_id)] = reply
+            self._replies[("retire", checkpoint_id)] = {"request": request, "reply": reply}
         return reply
 
     def forget(self, checkpoint_id: str, rollout_ids: Sequence[str] | None) -> dict[str, Any]:
-        if replay := self._replies.get(("forget", checkpoint_id)):
+        request = sorted(rollout_ids) if rollout_ids is not None else None
+        self._check_not_stale(checkpoint_id)
+        if (replay := self._replay("forget", checkpoint_id, request)) is not None:
             return replay
+        self._check_idle_or_restored("forget", checkpoint_id)
         reply = {"checkpoint_id": checkpoint_id, "forgotten": self.episodes.forget(rollout_ids)}
-        self._replies[("forget", checkpoint_id)] = reply
+        self._replies[("forget", checkpoint_id)] = {"request": request, "reply": reply}
         return reply
+
+
+class HostRecord(BaseModel):
+    """One exported episode as the host wrote it (:func:`_host_record`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    capture_key: str
+    rollout_id: Annotated[str, Field(min_length=1)]
+    attempt: Annotated[int, Field(ge=0)]
+    step: Annotated[int, Field(ge=0)]
+    state: dict[str, Any]
+
+
+def _host_records(directory: Path, rows: Sequence[Mapping[str, Any]]) -> dict[str, HostRecord]:
+    """The host's records by capture key, each checked before anything is installed."""
+    records: dict[str, HostRecord] = {}
+    for number, row in enumerate(rows, 1):
+        try:
+            record = HostRecord.model_validate(row)
+        except pydantic.ValidationError as exc:
+            raise invalid(
+                f"{directory}: host record {number} is malformed: {describe_validation_error(exc)}"
+            ) from exc
+        expected = EpisodeId(record.rollout_id, record.attempt).capture_key
+        if record.capture_key != expected:
+            raise invalid(
+                f"{directory}: host record {number} has capture key {record.capture_key!r}, "
+                f"but its rollout and attempt make {expected!r}"
+            )
+        if record.capture_key in records:
+            raise invalid(f"{directory}: episode {expected!r} is exported twice")
+        records[record.capture_key] = record
+    return records
 
 
 def _host_record(live: LiveEpisode) -> dict[str, Any]:

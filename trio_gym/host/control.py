@@ -25,13 +25,14 @@ from trio_gym.config import describe_validation_error
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import HttpConnection, read_body, send_json
 
+from .checkpoint import MAX_LEASE_S
 from .state import Host
 
 PREFIX: Final = "/control/v1/checkpoint/"
 MAX_CONTROL_BODY: Final = 1024 * 1024
 
 CheckpointId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")]
-Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(gt=0, le=MAX_LEASE_S, allow_inf_nan=False)]
 
 
 class Call(BaseModel):
@@ -107,9 +108,7 @@ async def _resume(host: Host, call: Resume) -> dict[str, Any]:
 
 async def _restore(host: Host, call: Restore) -> dict[str, Any]:
     directory = _absolute(call.directory)
-    return await host.checkpoints.restore(
-        call.checkpoint_id, call.deadline, directory, call.capture_keys, call.lease_s
-    )
+    return host.checkpoints.restore(call.checkpoint_id, directory, call.capture_keys, call.lease_s)
 
 
 async def _retire(host: Host, call: Retire) -> dict[str, Any]:

@@ -16,7 +16,6 @@ cancel scope that a checkpoint may cancel.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Final, TypeVar
 
@@ -63,11 +62,6 @@ class EpisodeId:
         return cls(rollout_id, attempt)
 
 
-class Admission(enum.Enum):
-    NEW = "new"
-    RESTORED = "restored"
-
-
 @attrs.define(eq=False)
 class LiveEpisode:
     """An episode being run (or parked) in this process."""
@@ -75,7 +69,9 @@ class LiveEpisode:
     id: EpisodeId
     batch_id: str
     index: int
-    restored: Mapping[str, Any] | None = None
+    restored: RestoredEpisode | None = None
+    started: bool = False
+    """True once its runner was called: only then is a restored episode used up."""
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     """Cancelled by ``retire``; the episode then ends as ``stale_attempt``."""
     step: int | None = None
@@ -111,14 +107,16 @@ class Episodes:
         """Rollout id -> the highest attempt refused until ``forget``."""
         self.superseded: dict[str, int] = {}
         """Rollout id -> the attempt a restore installed; older attempts are stale."""
-        self.consumed: set[str] = set()
-        """Capture keys of restored episodes already re-dispatched (exactly once)."""
+        self.consumed: dict[str, str] = {}
+        """Capture key -> rollout id of restored episodes already re-dispatched (exactly once)."""
         self.admission_open = True
         self.parking = False
         self.boundaries = 0
         self._release: trio.Event = trio.Event()
         self._changed = trio.Event()
         self._reports_boundaries = runner_reports_boundaries
+        self.on_park: Callable[[LiveEpisode], None] = lambda live: None
+        """Called when an episode parks (the checkpoint freezes its batch's deadline)."""
 
     # --- changes and waiting ------------------------------------------------------------
 
@@ -130,9 +128,6 @@ class Episodes:
         await self._changed.wait()
 
     # --- admission ------------------------------------------------------------------------
-
-    def assign_rollout_id(self, batch_id: str, index: int) -> str:
-        return f"{batch_id}-{index}"
 
     def refusal(self, episode: EpisodeId) -> WireError | None:
         """Why ``episode`` may not start now, or ``None`` (it may)."""
@@ -153,8 +148,8 @@ class Episodes:
                 f"rollout {episode.rollout_id} was restored as attempt {current}; "
                 f"attempt {episode.attempt} is stale"
             )
-        if key in self.restored:
-            return None
+        if key in self.restored and not self.parking:
+            return None  # a restored episode's own re-dispatch passes a restore's closed gate
         if not self.admission_open:
             return WireError(
                 ErrorCode.ADMISSION_CLOSED,
@@ -175,18 +170,22 @@ class Episodes:
         """Register an episode that :meth:`refusal` allowed; synchronous with that check."""
         restored = self.restored.pop(episode.capture_key, None)
         if restored is not None:
-            self.consumed.add(episode.capture_key)
-        live = LiveEpisode(
-            episode, batch_id, index, restored=restored.state if restored is not None else None
-        )
+            self.consumed[episode.capture_key] = episode.rollout_id
+        live = LiveEpisode(episode, batch_id, index, restored=restored)
         self.live[episode.capture_key] = live
         self._note()
         return live
 
     def end(self, live: LiveEpisode) -> None:
-        if self.live.get(live.id.capture_key) is live:
-            del self.live[live.id.capture_key]
-            self._note()
+        """The episode is over (or never ran). A restored episode whose runner never started —
+        its batch was refused, or its caller left first — goes back to wait for a dispatch."""
+        if self.live.get(live.id.capture_key) is not live:
+            return
+        del self.live[live.id.capture_key]
+        if live.restored is not None and not live.started:
+            self.consumed.pop(live.id.capture_key, None)
+            self.restored[live.id.capture_key] = live.restored
+        self._note()
 
     # --- the runner's hooks -----------------------------------------------------------------
 
@@ -195,8 +194,10 @@ class Episodes:
         live.step, live.state = step, state
         self.boundaries += 1
         while self.parking:
-            live.parked = True
-            self._note()
+            if not live.parked:
+                live.parked = True
+                self.on_park(live)
+                self._note()
             await self._release.wait()
         if live.parked:
             live.parked = False
@@ -256,6 +257,12 @@ class Episodes:
     def _capturable(self, live: LiveEpisode) -> bool:
         return live.reported_a_boundary or self._reports_boundaries()
 
+    def knows(self, capture_key: str) -> bool:
+        """Whether ``capture_key`` is running, waiting as restored, or was restored and used."""
+        return (
+            capture_key in self.live or capture_key in self.restored or capture_key in self.consumed
+        )
+
     def install(self, restored: Iterable[RestoredEpisode]) -> None:
         for episode in restored:
             self.restored[episode.id.capture_key] = episode
@@ -286,11 +293,19 @@ class Episodes:
         return cancelled, dropped
 
     def forget(self, rollout_ids: Iterable[str] | None) -> int:
+        """Drop retirement marks, and what restores remembered of those rollouts (bounded
+        memory); returns how many retirement marks were dropped."""
         if rollout_ids is None:
             count = len(self.retired)
             self.retired.clear()
+            self.superseded.clear()
+            self.consumed.clear()
         else:
-            count = sum(1 for rid in rollout_ids if self.retired.pop(rid, None) is not None)
+            ids = set(rollout_ids)
+            count = sum(1 for rid in ids if self.retired.pop(rid, None) is not None)
+            for rid in ids:
+                self.superseded.pop(rid, None)
+            self.consumed = {key: rid for key, rid in self.consumed.items() if rid not in ids}
         self._note()
         return count
 

@@ -20,14 +20,17 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Annotated, Any, Final, Literal
 
 import attrs
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
 
+from trio_gym.config import describe_validation_error
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import encode_json
 
-FORMAT: Final = "trio-gym-export-v1"
+FORMAT: Final = "trio-gym-export-v1"  # also ManifestHead.format
 MANIFEST: Final = "manifest.json"
 
 
@@ -45,6 +48,30 @@ class ParticipantExport:
 
     def to_json(self) -> dict[str, Any]:
         return {**attrs.asdict(self), "capture_keys": list(self.capture_keys)}
+
+
+PathPart = Annotated[str, Field(pattern=r"^[A-Za-z0-9_][A-Za-z0-9._-]*$", max_length=200)]
+"""A directory or file name from a manifest: one path component, never ``..``."""
+
+
+class ManifestParticipant(BaseModel):
+    """A participant as a manifest lists it (what restore relies on; more fields may follow)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    server_name: PathPart
+    kind: PathPart
+    records_file: Annotated[str, Field(pattern=r"^[0-9a-f]{64}\.jsonl$")]
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    record_count: Annotated[int, Field(ge=0)]
+
+
+class ManifestHead(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    format: Literal["trio-gym-export-v1"]
+    checkpoint_id: str
+    participants: Annotated[list[ManifestParticipant], Field(min_length=1)]
 
 
 def invalid(message: str) -> WireError:
@@ -66,6 +93,7 @@ def write_records(
         file.flush()
         os.fsync(file.fileno())
     os.replace(temporary, target)
+    _fsync_directory(folder)
     keys = tuple(str(record["capture_key"]) for record in records)
     return ParticipantExport(
         server_name, kind, str(folder), target.name, digest, len(records), keys
@@ -90,12 +118,17 @@ def publish_manifest(directory: Path, manifest: Mapping[str, Any]) -> Path:
         file.write(data)
         file.flush()
         os.fsync(file.fileno())
-    directory_fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(directory_fd)
-    finally:
-        os.close(directory_fd)
+    _fsync_directory(directory)
     return path
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make a rename or a creation in ``directory`` durable (the entry, not just the data)."""
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 @attrs.frozen
@@ -116,29 +149,38 @@ def read_export(directory: Path) -> Export:
         ) from None
     except (OSError, ValueError) as exc:
         raise invalid(f"{path} cannot be read as JSON: {exc}") from exc
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise invalid(f"{path} is not a {FORMAT} manifest")
-    participants = manifest.get("participants")
-    if not isinstance(participants, list) or not participants:
-        raise invalid(f"{path} lists no participants (no topology): refused")
+    try:
+        head = ManifestHead.model_validate(manifest)
+    except pydantic.ValidationError as exc:
+        raise invalid(
+            f"{path} is not a complete {FORMAT} manifest (it must list its participants): "
+            f"{describe_validation_error(exc)}"
+        ) from exc
     records: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for entry in participants:
-        records[(entry["server_name"], entry["kind"])] = _verified(directory, entry)
+    for entry in head.participants:
+        if (entry.server_name, entry.kind) in records:
+            raise invalid(f"{path} lists participant {entry.kind}/{entry.server_name} twice")
+        records[(entry.server_name, entry.kind)] = _verified(directory, entry)
     return Export(manifest, records)
 
 
-def _verified(directory: Path, entry: Mapping[str, Any]) -> list[dict[str, Any]]:
-    file = directory / "participants" / entry["kind"] / entry["server_name"] / entry["records_file"]
+def _verified(directory: Path, entry: ManifestParticipant) -> list[dict[str, Any]]:
+    file = directory / "participants" / entry.kind / entry.server_name / entry.records_file
     try:
         data = file.read_bytes()
     except OSError as exc:
         raise invalid(f"{file}: cannot be read ({exc.strerror})") from exc
     digest = hashlib.sha256(data).hexdigest()
-    if digest != entry["sha256"]:
-        raise invalid(f"{file}: its SHA-256 is {digest}, the manifest says {entry['sha256']}")
-    lines = [json.loads(line) for line in data.splitlines() if line.strip()]
-    if len(lines) != entry["record_count"]:
-        raise invalid(
-            f"{file}: holds {len(lines)} records, the manifest says {entry['record_count']}"
-        )
+    if digest != entry.sha256:
+        raise invalid(f"{file}: its SHA-256 is {digest}, the manifest says {entry.sha256}")
+    try:
+        lines = [json.loads(line) for line in data.splitlines() if line.strip()]
+    except ValueError as exc:
+        raise invalid(f"{file}: a line is not JSON ({exc})") from exc
+    if len(lines) != entry.record_count:
+        raise invalid(f"{file}: holds {len(lines)} records, the manifest says {entry.record_count}")
+    if not all(
+        isinstance(line, dict) and isinstance(line.get("capture_key"), str) for line in lines
+    ):
+        raise invalid(f"{file}: every record must be a JSON object with a string capture_key")
     return lines

@@ -254,6 +254,7 @@ async def _answer_with_document(
         heartbeat=HEARTBEAT,
         deadline_s=deadline_s,
         examples_count=len(examples),
+        batch_id=batch.id,
         work=work,
     )
     if failures:

@@ -108,6 +108,7 @@ async def answer_with_rows(
                 heartbeat=ROW_HEARTBEAT,
                 deadline_s=deadline_s,
                 examples_count=len(examples),
+                batch_id=batch.id,
                 work=work,
             )
 

@@ -42,6 +42,7 @@ async def supervise(
     heartbeat: bytes,
     deadline_s: float,
     examples_count: int,
+    batch_id: str,
     work: Callable[[], Awaitable[None]],
 ) -> WireError | None:
     """Run ``work`` (the examples) beside the heartbeat and the watchers.
@@ -61,7 +62,7 @@ async def supervise(
                 interval = host.config.heartbeat_interval_s
                 nursery.start_soon(_send_heartbeats, body, heartbeat, interval)
             # Tracked so that time spent in a checkpoint does not count against the deadline.
-            with host.checkpoints.batch_deadline(examples_scope), examples_scope:
+            with host.checkpoints.batch_deadline(batch_id, examples_scope), examples_scope:
                 await work()
             nursery.cancel_scope.cancel()
     except* ConnectionLost as group:

@@ -37,7 +37,7 @@ class ControlError(Exception):
         self.status = status
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (self.message, self.code, self.status))
+        return (_rebuild, (type(self), self.message, self.code, self.status))
 
     def __str__(self) -> str:
         return f"HTTP {self.status} {self.code}: {self.message}"
@@ -47,8 +47,10 @@ class ControlTimeout(ControlError):
     """No reply within the call's deadline plus the reply grace (or no connection at all)."""
 
 
-def _rebuild(message: str, code: str, status: int) -> ControlError:
-    return ControlError(message, code=code, status=status)
+def _rebuild(kind: type[ControlError], message: str, code: str, status: int) -> ControlError:
+    """Unpickle a control error as its own class (it crosses process boundaries to trainers'
+    workers)."""
+    return kind(message, code=code, status=status)
 
 
 class HostControl:
@@ -170,8 +172,8 @@ class HostControl:
                 ) from exc
             if response.status != 200:
                 error = document.get("error", {}) if isinstance(document, dict) else {}
-                raise ControlError(
-                    f"{name}: {error.get('message', response.body[:200])}",
+                raise ControlError(  # the host's message names the operation itself
+                    str(error.get("message", response.body[:200])),
                     code=str(error.get("code", "unknown")),
                     status=response.status,
                 )
