@@ -6,6 +6,7 @@ Every test here was written against a rule that a mutation of ``host/checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -37,6 +38,22 @@ async def exported(tmp_path: Path, *rollout_ids: str) -> Path:
         await a.control.prepare("c1", timeout_s=30)
         await a.control.commit("c1", str(directory), timeout_s=30)
     return directory
+
+
+def rewrite_records(directory: Path, kind: str, change: Any) -> None:
+    """Replace one participant's records with ``change(records)``, re-digested and recounted
+    in the manifest, so only the rule under test can refuse the export."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    entry = next(p for p in manifest["participants"] if p["kind"] == kind)
+    folder = directory / "participants" / kind / entry["server_name"]
+    records = [
+        json.loads(line) for line in (folder / entry["records_file"]).read_bytes().splitlines()
+    ]
+    data = b"".join(json.dumps(record).encode() + b"\n" for record in change(records))
+    digest = hashlib.sha256(data).hexdigest()
+    (folder / f"{digest}.jsonl").write_bytes(data)
+    entry.update(records_file=f"{digest}.jsonl", sha256=digest, record_count=len(change(records)))
+    (directory / MANIFEST).write_text(json.dumps(manifest))
 
 
 def rewrite_manifest(directory: Path, change: Any) -> None:
@@ -226,25 +243,37 @@ async def test_a_malformed_manifest_is_refused_and_changes_nothing(
 async def test_a_malformed_host_record_is_refused_even_with_a_matching_digest(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
-    import hashlib
-
     directory = await exported(tmp_path, "a")
-    manifest = json.loads((directory / MANIFEST).read_text())
-    host = next(p for p in manifest["participants"] if p["kind"] == "episodes")
-    old = directory / "participants" / "episodes" / "host" / host["records_file"]
-    record = json.loads(old.read_bytes())
-    data = json.dumps({**record, "attempt": "0"}).encode() + b"\n"  # a string attempt
-    digest = hashlib.sha256(data).hexdigest()
-    (old.parent / f"{digest}.jsonl").write_bytes(data)
-    host.update(records_file=f"{digest}.jsonl", sha256=digest)
-    (directory / MANIFEST).write_text(json.dumps(manifest))
+    rewrite_records(
+        directory, "episodes", lambda rows: [{**row, "attempt": "0"} for row in rows]
+    )  # a string attempt
     async with rig() as fresh:
         with pytest.raises(ControlError) as refused:
             await fresh.control.restore("r1", str(directory), timeout_s=30)
-    assert (
-        refused.value.code == "export_invalid"
-        and "host record 1 is malformed" in refused.value.message
+    assert refused.value.code == "export_invalid"
+    assert "host record 1 is malformed" in refused.value.message
+    assert len(fresh.runner.inner.store) == 0
+
+
+async def test_a_participant_holding_other_episodes_is_refused(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    directory = await exported(tmp_path, "a", "b")
+    manifest = json.loads((directory / MANIFEST).read_text())
+    (store,) = [p for p in manifest["participants"] if p["kind"] != "episodes"]
+    rewrite_records(
+        directory, store["kind"], lambda rows: [r for r in rows if r["capture_key"] == "a"]
     )
+    async with rig() as fresh:
+        with pytest.raises(ControlError) as refused:
+            await fresh.control.restore("r1", str(directory), timeout_s=30)
+        status = await fresh.control.status()
+    assert refused.value.code == "export_invalid"
+    name = f"{store['server_name']}/{store['kind']}"
+    assert f"participant {name} holds records for 1 episode(s), the host for 2" in (
+        refused.value.message
+    )
+    assert status["phase"] == "idle" and status["counts"]["restored"] == 0
     assert len(fresh.runner.inner.store) == 0
 
 

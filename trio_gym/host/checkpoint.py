@@ -356,8 +356,8 @@ class Checkpoints:
         expected = {HOST_PARTICIPANT} | ({participant.participant} if participant else set())
         if set(export.records) != expected:
             raise invalid(
-                f"{directory}: the export's participants {sorted(export.records)} are not this "
-                f"host's {sorted(expected)}; nothing was restored"
+                f"{directory}: the export's participants {_names(export.records)} are not this "
+                f"host's {_names(expected)}; nothing was restored"
             )
         episodes = _host_records(directory, export.records[HOST_PARTICIPANT])
         keys = sorted(episodes) if capture_keys is None else sorted(set(capture_keys))
@@ -366,12 +366,13 @@ class Checkpoints:
             raise invalid(
                 f"{directory}: {len(missing)} capture key(s) not exported: {missing[:SAMPLE]}"
             )
-        for kind, records in export.records.items():
+        for part, records in export.records.items():
             held = {record["capture_key"] for record in records}
             if held != set(episodes):
                 raise invalid(
-                    f"{directory}: participant {kind} holds records for {len(held)} episode(s), "
-                    f"the host for {len(episodes)}; the export is inconsistent, nothing restored"
+                    f"{directory}: participant {'/'.join(part)} holds records for "
+                    f"{len(held)} episode(s), the host for {len(episodes)}; the export is "
+                    "inconsistent, nothing restored"
                 )
         restored = [
             RestoredEpisode(
@@ -493,6 +494,11 @@ class HostRecord(BaseModel):
     attempt: Annotated[int, Field(ge=0)]
     step: Annotated[int, Field(ge=0)]
     state: dict[str, Any]
+
+
+def _names(participants: Iterable[tuple[str, str]]) -> list[str]:
+    """Participants as ``server_name/kind``, the way the export's folders name them."""
+    return sorted("/".join(part) for part in participants)
 
 
 def _host_records(directory: Path, rows: Sequence[Mapping[str, Any]]) -> dict[str, HostRecord]:
