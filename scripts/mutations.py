@@ -107,9 +107,9 @@ MUTATIONS = [
     ),
     Mutation(
         "shutdown does not cancel in-flight batches",
-        "trio_gym/host/supervision.py",
-        "            nursery.start_soon(_cancel_on_shutdown, host, examples_scope)\n",
-        "",
+        "trio_gym/host/state.py",
+        "            for scope in self._stoppable:\n                scope.cancel()",
+        "            pass",
         (
             "tests/test_host_clock.py::test_shutdown_answers_in_flight_batches_with_shutting_down",
             "tests/test_cli.py::test_a_signal_answers_in_flight_batches_shutting_down_and_exits",
@@ -128,10 +128,8 @@ MUTATIONS = [
     Mutation(
         "results in completion order",
         "trio_gym/host/batch.py",
-        "        results[index] = await run_example(host, examples[index], episodes[index])",
-        "        results[results.index(None)] = await run_example(\n"
-        "            host, examples[index], episodes[index]\n"
-        "        )",
+        "        self._parts[index] = encoded",
+        '        self._parts[self._parts.index(b"")] = encoded',
         ("tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys",),
     ),
     Mutation(
@@ -671,6 +669,36 @@ MUTATIONS = [
         (
             "tests/test_checkpoint_rules.py::test_retire_and_forget_replay_or_conflict_by_their_arguments",
         ),
+    ),
+    Mutation(
+        "the pacer not woken for a sleeper earlier than its next wake-up",
+        "trio_gym/host/pacer.py",
+        "        if self._sleepers[0][2] is woken:\n            self._earlier.set()",
+        "        if False:\n            self._earlier.set()",
+        ("tests/test_pacer.py::test_sleepers_wake_at_their_own_times_in_order",),
+    ),
+    Mutation(
+        "a sleeper woken early by a stopping pacer returns early",
+        "trio_gym/host/pacer.py",
+        "        if trio.current_time() < deadline:",
+        "        if False:",
+        ("tests/test_pacer.py::test_sleepers_finish_alone_when_the_pacer_stops",),
+    ),
+    Mutation(
+        "what the kernel took at once is written again",
+        "trio_gym/http/connection.py",
+        "        data = data[sent:]",
+        "        data = data",
+        (
+            "tests/test_http_mechanics.py::test_a_body_larger_than_the_socket_buffer_arrives_whole_over_tcp",
+        ),
+    ),
+    Mutation(
+        "results documents of any size",
+        "trio_gym/host/batch.py",
+        "        if self._size > self._max_bytes:",
+        "        if False:",
+        ("tests/test_host_wire.py::test_results_over_max_response_bytes_are_refused_with_advice",),
     ),
     Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",

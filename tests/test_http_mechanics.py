@@ -152,3 +152,31 @@ async def test_send_timeout_bounds_a_stall_not_a_slow_steady_reader(
         await send_body(conn, 200, b"y" * (2 * 1024 * 1024), content_type="text/plain")
         await conn.aclose()
     assert received.endswith(b"y" * 1000) and len(received) > 2 * 1024 * 1024
+
+
+async def test_a_body_larger_than_the_socket_buffer_arrives_whole_over_tcp() -> None:
+    """Writes try the kernel's buffer first and wait only for what it did not take: a body
+    far larger than the buffer, to a reader that starts late, arrives whole and in order."""
+    body = bytes(range(256)) * (32 * 1024)  # 8 MiB
+    received = bytearray()
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+
+    async def reader(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        task_status.started()
+        async with stream:
+            await stream.send_all(request_bytes(b"{}"))
+            await trio.sleep(0.3)  # the writer fills the buffer meanwhile
+            while data := await stream.receive_some(65536):
+                received.extend(data)
+
+    with trio.fail_after(30):  # a hang guard only
+        async with listeners[0], trio.open_nursery() as nursery:
+            await nursery.start(reader)
+            server = await listeners[0].accept()
+            conn = HttpConnection(server, h11.SERVER, HttpLimits())
+            await read_request_head(conn)
+            await send_body(conn, 200, body, content_type="application/octet-stream")
+            await conn.aclose()
+    assert received.endswith(b"\r\n\r\n" + body)

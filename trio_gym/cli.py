@@ -7,12 +7,13 @@ Every subcommand is a thin front over the library: ``serve`` over :func:`trio_gy
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import trio
 
@@ -172,6 +173,7 @@ def _serve(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     failure: ListenError | None = None
+    _collect_garbage_in_bulk()
     try:
         trio.run(_serve_until_signalled, Host(config))
     except* ListenError as group:
@@ -206,6 +208,25 @@ def _validate(args: argparse.Namespace) -> int:
         return 1
     print(package.summary())
     return 0
+
+
+# Young-generation collections every this many allocations (CPython's default is 700; 10,000
+# measured worse than 50,000, see BENCHMARKS.md).
+GC_YOUNG_THRESHOLD: Final = 50_000
+
+
+def _collect_garbage_in_bulk() -> None:
+    """Collect cyclic garbage in fewer, larger rounds, and never look at startup objects again.
+
+    With the default thresholds a host holding ten thousand heartbeating connections collects
+    the young generation hundreds of times a second; everything that lives for one heartbeat
+    interval survives into the old generation, whose full collections then walk every live
+    connection's objects — pauses of over a second, measured as heartbeat lateness
+    (BENCHMARKS.md). Rarer young collections let per-heartbeat objects die young; freezing
+    what exists at startup (modules, the runner) keeps it out of every collection.
+    """
+    gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 100)
+    gc.freeze()
 
 
 async def _serve_until_signalled(host: Host) -> None:

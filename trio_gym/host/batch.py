@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
@@ -26,8 +27,6 @@ IDENTITY_KEYS: Final = ("_ng_task_index", "_ng_rollout_index", "_sg_example_id")
 TRACEBACK_FRAMES: Final = 20
 TRACEBACK_CHARS: Final = 8000
 HEADLINE_CHARS: Final = 2000
-# How much CPU-bound encoding happens between two yields to the scheduler: about a millisecond.
-YIELD_EVERY_BYTES: Final = 1024 * 1024
 
 
 class BatchState(enum.Enum):
@@ -54,7 +53,8 @@ TRANSITIONS: Final[dict[BatchState, frozenset[BatchState]]] = {
 
 @attrs.define
 class Batch:
-    """A batch's identity and lifecycle; every transition is checked and logged."""
+    """A batch's identity and lifecycle; every transition is checked and logged (``answering``
+    at debug level: it is on every successful batch's way to ``done``, a line for nothing)."""
 
     id: str
     size: int
@@ -69,7 +69,12 @@ class Batch:
         self.state = to
         elapsed = round(trio.current_time() - self.accepted_at, 3)
         log_event(
-            f"batch_{to.value}", batch=self.id, examples=self.size, elapsed_s=elapsed, **fields
+            f"batch_{to.value}",
+            level=logging.DEBUG if to is BatchState.ANSWERING else logging.INFO,
+            batch=self.id,
+            examples=self.size,
+            elapsed_s=elapsed,
+            **fields,
         )
 
 
@@ -91,21 +96,24 @@ async def run_examples(
     host: Host,
     examples: Sequence[Mapping[str, Any]],
     episodes: Sequence[LiveEpisode],
-) -> list[Any]:
-    """Run every (admitted) example at once; return the results in input order.
+    document: ResultsDocument,
+) -> None:
+    """Run every (admitted) example at once; each result goes into ``document`` as it finishes.
 
-    Raises an ``ExceptionGroup`` of :class:`ExampleFailed` if one failed (every other example
-    is then cancelled). Cancelling the caller cancels every example.
+    Raises :class:`ExampleFailed` if one failed (in an ``ExceptionGroup`` when several ran:
+    every other example is then cancelled). Cancelling the caller cancels every example. A
+    batch of one runs in the caller's task: no nursery, no task, for the commonest batch.
     """
-    results: list[Any] = [None] * len(examples)
 
     async def run_into_place(index: int) -> None:
-        results[index] = await run_example(host, examples[index], episodes[index])
+        document.add(index, await run_example(host, examples[index], episodes[index]))
 
+    if len(examples) == 1:
+        await run_into_place(0)
+        return
     async with trio.open_nursery() as nursery:
         for index in range(len(examples)):
             nursery.start_soon(run_into_place, index)
-    return results
 
 
 async def run_example(host: Host, example: Mapping[str, Any], episode: LiveEpisode) -> Any:
@@ -190,43 +198,70 @@ class ResultsInfo:
     work_path: str
 
 
-async def encode_results(results: Sequence[Any], info: ResultsInfo, max_bytes: int) -> list[bytes]:
-    """The success document as byte pieces whose concatenation is one JSON object.
+class ResultsDocument:
+    """The success document, built while the batch runs.
 
-    Each result is encoded on its own, so the one that is not JSON is named, and the size limit
-    is enforced while encoding rather than after building the whole document. Every
-    ``YIELD_EVERY_BYTES`` of output it yields to the scheduler: a 200 MiB document takes seconds
-    of CPU, and other connections' heartbeats must not wait for it. Raises :class:`WireError`
-    ``internal`` (a result that is not JSON) or ``payload_too_large`` (status 500: the request
-    was fine, the answer is too big).
+    Each result is encoded the moment its example finishes and only the bytes are kept, so a
+    200 MiB document exists once, as bytes — not as the runner's objects plus an encoded copy
+    — and encoding is spread over the batch instead of stalling every other connection at its
+    end. A result that is not JSON is named by its example; the size limit is enforced as
+    results arrive, and past it nothing more is kept.
     """
-    tail = encode_json(attrs.asdict(info))
-    pieces = [b'{"results":[']
-    size = len(pieces[0]) + len(tail) + 1
-    since_yield = 0
-    for index, result in enumerate(results):
+
+    def __init__(self, count: int, info: ResultsInfo, max_bytes: int) -> None:
+        self._tail = encode_json(attrs.asdict(info))
+        self._count = count
+        self._parts: list[bytes] = [b""] * count
+        self._size = len(b'{"results":[') + len(self._tail) + max(0, count - 1)
+        self._max_bytes = max_bytes
+        self._added = 0
+        self._not_json: dict[int, str] = {}
+        self._too_large_after: int | None = None
+
+    def add(self, index: int, result: Any) -> None:
+        self._added += 1
+        if self._too_large_after is not None:
+            return
         try:
             encoded = encode_json(result)
         except (TypeError, ValueError, RecursionError) as exc:
+            self._not_json[index] = str(exc)
+            return
+        self._size += len(encoded)
+        if self._size > self._max_bytes:
+            self._too_large_after = self._added
+            self._parts = []
+            return
+        self._parts[index] = encoded
+
+    def pieces(self) -> list[bytes]:
+        """The document as byte pieces whose concatenation is one JSON object.
+
+        Raises :class:`WireError` ``internal`` (a result that is not JSON) or
+        ``payload_too_large`` (status 500: the request was fine, the answer is too big).
+        """
+        if self._not_json:
+            index = min(self._not_json)
             raise WireError(
-                ErrorCode.INTERNAL, f"the result of example {index} is not JSON: {exc}"
-            ) from exc
-        size += len(encoded) + (1 if index else 0)
-        if size > max_bytes:
+                ErrorCode.INTERNAL,
+                f"the result of example {index} is not JSON: {self._not_json[index]}",
+            )
+        if self._too_large_after is not None:
             raise WireError(
                 ErrorCode.PAYLOAD_TOO_LARGE,
-                f"the results document exceeds max_response_bytes={max_bytes} after "
-                f"{index + 1} of {len(results)} results; send fewer examples per request "
-                "(the trainer's chunk size) or raise max_response_bytes (NMP_MAX_RESPONSE_BYTES)",
+                f"the results document exceeds max_response_bytes={self._max_bytes} after "
+                f"{self._too_large_after} of {self._count} results; send "
+                "fewer examples per request (the trainer's chunk size) or raise "
+                "max_response_bytes (NMP_MAX_RESPONSE_BYTES)",
                 status=500,
             )
-        pieces.append(b"," + encoded if index else encoded)
-        since_yield += len(encoded)
-        if since_yield >= YIELD_EVERY_BYTES:
-            since_yield = 0
-            await trio.lowlevel.checkpoint()
-    pieces.append(b"]," + tail[1:])
-    return pieces
+        pieces = [b'{"results":[']
+        for index, part in enumerate(self._parts):
+            if index:
+                pieces.append(b",")
+            pieces.append(part)
+        pieces.append(b"]," + self._tail[1:])
+        return pieces
 
 
 def coalesce(pieces: Sequence[bytes], size: int = BODY_PIECE_BYTES) -> Iterator[bytes]:

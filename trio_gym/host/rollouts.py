@@ -35,10 +35,10 @@ from .batch import (
     Batch,
     BatchState,
     ExampleFailed,
+    ResultsDocument,
     ResultsInfo,
     batch_error,
     coalesce,
-    encode_results,
     run_examples,
 )
 from .episodes import EpisodeId, LiveEpisode
@@ -237,13 +237,18 @@ async def _answer_with_document(
     body = None
     if conn.their_http_version == b"1.1":
         body = await ChunkedBody.start(conn, 200, content_type=JSON)
-    results: list[Any] = []
+    info = ResultsInfo(
+        job_id=host.config.job_id,
+        environment_path=host.config.environment_path,
+        work_path=host.config.work_path,
+    )
+    document = ResultsDocument(len(examples), info, host.config.max_response_bytes)
     failures: list[ExampleFailed] = []
 
     async def work() -> None:
-        nonlocal results, failures
+        nonlocal failures
         try:
-            results = await run_examples(host, examples, episodes)
+            await run_examples(host, examples, episodes, document)
         except* ExampleFailed as group:
             failures = leaves(group)
 
@@ -262,7 +267,10 @@ async def _answer_with_document(
     elif stopped is not None:
         answer = Answer.failure(stopped)
     else:
-        answer = await _document(host, results)
+        try:
+            answer = Answer(document.pieces())
+        except WireError as error:
+            answer = Answer.failure(error)
     if answer.error is None:
         batch.advance(BatchState.ANSWERING)
     else:
@@ -270,19 +278,8 @@ async def _answer_with_document(
     if body is None:
         await send_body(conn, answer.status, b"".join(answer.pieces), content_type=JSON)
     else:
-        for run in coalesce(answer.pieces):
+        *runs, last = coalesce(answer.pieces)
+        for run in runs:
             await body.send(run)
-        await body.finish()
+        await body.finish(last)
     batch.advance(BatchState.DONE if answer.error is None else BatchState.FAILED)
-
-
-async def _document(host: Host, results: list[Any]) -> Answer:
-    info = ResultsInfo(
-        job_id=host.config.job_id,
-        environment_path=host.config.environment_path,
-        work_path=host.config.work_path,
-    )
-    try:
-        return Answer(await encode_results(results, info, host.config.max_response_bytes))
-    except WireError as error:
-        return Answer.failure(error)

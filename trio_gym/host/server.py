@@ -187,6 +187,7 @@ async def serve(
         async with trio.open_nursery() as server_tasks:
             server_tasks.start_soon(host.bootstrap)
             server_tasks.start_soon(host.checkpoints.watch_lease)
+            server_tasks.start_soon(host.pacer.run)
             server_tasks.start_soon(
                 partial(
                     trio.serve_listeners,

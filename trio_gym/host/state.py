@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Final
 
 import attrs
@@ -19,6 +20,7 @@ from trio_gym.runners.base import StateParticipant
 
 from .checkpoint import Checkpoints
 from .episodes import Episodes
+from .pacer import Pacer
 
 # How long an over-cap connection may take to send its head, and how long its close drains.
 REFUSAL_TIMEOUT_S: Final = 2.0
@@ -88,6 +90,7 @@ class Host:
         self.limits = config.http_limits()
         self.stats = HostStats()
         self.shutdown_requested = trio.Event()
+        self._stoppable: set[trio.CancelScope] = set()
         self.connection_slots = trio.CapacityLimiter(config.max_connections)
         # Over-cap connections still get a clear 503, up to this many at once, on short
         # timeouts (refusal_limits); a quarter of the cap, at least 8.
@@ -107,6 +110,8 @@ class Host:
             )
         )
         self.checkpoints = Checkpoints(self.episodes, self._state_participant, wall_time=wall_time)
+        self.pacer = Pacer()
+        """Wakes every batch's heartbeat (one timer for all of them; see ``pacer``)."""
         if runner is not None:
             self.settled.set()
 
@@ -187,6 +192,20 @@ class Host:
         if not self.shutdown_requested.is_set():
             log_event("shutdown_requested")
             self.shutdown_requested.set()
+            for scope in self._stoppable:
+                scope.cancel()
+
+    @contextlib.contextmanager
+    def stopped_by_shutdown(self, scope: trio.CancelScope) -> Iterator[None]:
+        """Cancel ``scope`` when the host stops (at once if it already has). A registry, not a
+        watcher task per batch: a held connection is one task fewer."""
+        if self.shutdown_requested.is_set():
+            scope.cancel()
+        self._stoppable.add(scope)
+        try:
+            yield
+        finally:
+            self._stoppable.discard(scope)
 
     def refusal(self) -> WireError | None:
         """Why a batch would be refused right now, or ``None`` when it would be accepted.

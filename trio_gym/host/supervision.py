@@ -57,12 +57,15 @@ async def supervise(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_caller, conn, body, heartbeat)
-            nursery.start_soon(_cancel_on_shutdown, host, examples_scope)
             if body is not None:
                 interval = host.config.heartbeat_interval_s
-                nursery.start_soon(_send_heartbeats, body, heartbeat, interval)
+                nursery.start_soon(_send_heartbeats, host, body, heartbeat, interval)
             # Tracked so that time spent in a checkpoint does not count against the deadline.
-            with host.checkpoints.batch_deadline(batch_id, examples_scope), examples_scope:
+            with (
+                host.stopped_by_shutdown(examples_scope),
+                host.checkpoints.batch_deadline(batch_id, examples_scope),
+                examples_scope,
+            ):
                 await work()
             nursery.cancel_scope.cancel()
     except* ConnectionLost as group:
@@ -84,9 +87,11 @@ async def supervise(
     )
 
 
-async def _send_heartbeats(body: ChunkedBody, heartbeat: bytes, interval_s: float) -> None:
+async def _send_heartbeats(
+    host: Host, body: ChunkedBody, heartbeat: bytes, interval_s: float
+) -> None:
     while True:
-        await trio.sleep(interval_s)
+        await host.pacer.sleep_until(trio.current_time() + interval_s)
         await body.send(heartbeat)
 
 
@@ -101,8 +106,3 @@ async def _watch_caller(conn: HttpConnection, body: ChunkedBody | None, heartbea
     await body.send(heartbeat)
     await trio.sleep(PROBE_DELAY_S)
     await body.send(heartbeat)
-
-
-async def _cancel_on_shutdown(host: Host, examples_scope: trio.CancelScope) -> None:
-    await host.shutdown_requested.wait()
-    examples_scope.cancel()

@@ -73,10 +73,7 @@ async def send_body(
 
 async def send_message(conn: HttpConnection, head: h11.Request | h11.Response, body: bytes) -> None:
     """Send a head and its body (framed by the head's Content-Length), as one whole write."""
-    pieces = [
-        h11.Data(data=body[i : i + BODY_PIECE_BYTES]) for i in range(0, len(body), BODY_PIECE_BYTES)
-    ]
-    await conn.send(head, *pieces, h11.EndOfMessage())
+    await conn.send(head, *_data_events(body), h11.EndOfMessage())
 
 
 async def send_empty(conn: HttpConnection, status: int, *, headers: Headers = ()) -> None:
@@ -136,12 +133,18 @@ class ChunkedBody:
         would write nothing."""
         if not data:
             raise ValueError("an empty chunk cannot be sent; finish() ends the body")
-        pieces = range(0, len(data), BODY_PIECE_BYTES)
-        await self._conn.send(*(h11.Data(data=data[i : i + BODY_PIECE_BYTES]) for i in pieces))
+        await self._conn.send(*_data_events(data))
 
-    async def finish(self) -> None:
-        """Write the zero-length chunk that tells every reader the body is complete."""
-        await self._conn.send(h11.EndOfMessage())
+    async def finish(self, last: bytes = b"") -> None:
+        """Write ``last`` (if any) and the zero-length chunk that tells every reader the body
+        is complete, in one write: a short answer's document and its end go out together."""
+        await self._conn.send(*_data_events(last), h11.EndOfMessage())
+
+
+def _data_events(data: bytes) -> list[h11.Data]:
+    """``data`` in pieces of at most ``BODY_PIECE_BYTES`` (none for no data)."""
+    pieces = range(0, len(data), BODY_PIECE_BYTES)
+    return [h11.Data(data=data[i : i + BODY_PIECE_BYTES]) for i in pieces]
 
 
 def declared_length(head: h11.Request | h11.Response) -> int | None:

@@ -1,0 +1,1 @@
+"""The yardsticks the host is measured against (benchmark-only code)."""
