@@ -306,6 +306,60 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+ROWS: list[tuple[str, str, str, str]] = [
+    # (workload, figure, label, format)
+    ("held-100", "correct", "held 100: completed correctly", "{:.0f}"),
+    ("held-100", "rss_per_connection_kib", "held 100: RSS per connection (KiB)", "{:.1f}"),
+    ("held-100", "lateness_p99_ms", "held 100: heartbeat lateness p99 (ms)", "{:.1f}"),
+    ("held-1000", "correct", "held 1,000: completed correctly", "{:.0f}"),
+    ("held-1000", "rss_per_connection_kib", "held 1,000: RSS per connection (KiB)", "{:.1f}"),
+    ("held-1000", "peak_rss_mib", "held 1,000: peak RSS (MiB)", "{:.0f}"),
+    ("held-1000", "lateness_p50_ms", "held 1,000: heartbeat lateness p50 (ms)", "{:.1f}"),
+    ("held-1000", "lateness_p99_ms", "held 1,000: heartbeat lateness p99 (ms)", "{:.1f}"),
+    ("held-1000", "cpu_s", "held 1,000: host CPU (s)", "{:.1f}"),
+    ("held-10000", "correct", "held 10,000: completed correctly", "{:.0f}"),
+    ("held-10000", "ramp_s", "held 10,000: time until all held (s)", "{:.1f}"),
+    ("held-10000", "rss_per_connection_kib", "held 10,000: RSS per connection (KiB)", "{:.1f}"),
+    ("held-10000", "peak_rss_mib", "held 10,000: peak RSS (MiB)", "{:.0f}"),
+    ("held-10000", "lateness_p50_ms", "held 10,000: heartbeat lateness p50 (ms)", "{:.1f}"),
+    ("held-10000", "lateness_p99_ms", "held 10,000: heartbeat lateness p99 (ms)", "{:.1f}"),
+    (
+        "held-10000",
+        "steady_lateness_p99_ms",
+        "held 10,000: lateness p99 once all held (ms)",
+        "{:.1f}",
+    ),
+    ("held-10000", "cpu_s", "held 10,000: host CPU (s)", "{:.1f}"),
+    ("short", "requests_per_s", "short batches: requests/s (one core)", "{:.0f}"),
+    ("short", "latency_p50_ms", "short batches: latency p50 (ms)", "{:.1f}"),
+    ("short", "latency_p99_ms", "short batches: latency p99 (ms)", "{:.1f}"),
+    ("ttfb-1000", "ttfb_p50_ms", "first byte with 1,000 held: p50 (ms)", "{:.2f}"),
+    ("ttfb-1000", "ttfb_p99_ms", "first byte with 1,000 held: p99 (ms)", "{:.2f}"),
+    ("stop", "reset_median_ms", "stop after a reset: median (ms)", "{:.1f}"),
+    ("stop", "close_median_ms", "stop after a clean close: median (ms)", "{:.1f}"),
+    ("stop", "deadline_median_ms", "stop after the deadline: median (ms)", "{:.1f}"),
+    ("large", "peak_over_document", "200 MiB answer: peak RSS / document", "{:.2f}"),
+    ("large", "growth_over_document", "200 MiB answer: RSS growth / document", "{:.2f}"),
+    ("large", "mib_per_s", "200 MiB answer: MiB/s", "{:.0f}"),
+]
+
+
+def table(results: Path) -> str:
+    """The medians of a results file as a markdown table, one column per server."""
+    medians = json.loads(results.read_text())["medians"]
+    servers = [kind for kind in SERVERS if any(kind in by for by in medians.values())]
+    lines = ["| figure | " + " | ".join(servers) + " |", "|---|" + "---|" * len(servers)]
+    for workload, figure, label, form in ROWS:
+        if workload not in medians:
+            continue
+        cells = []
+        for kind in servers:
+            value = medians[workload].get(kind, {}).get(figure)
+            cells.append("—" if value is None else form.format(value))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
@@ -318,7 +372,11 @@ def main() -> None:
     parser.add_argument("--stop-count", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="sizes 100,1000; 5 s; 1 run")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results.json")
+    parser.add_argument("--table", type=Path, help="print a results file's medians as markdown")
     args = parser.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
     if args.quick:
         args.runs, args.sizes, args.short_s, args.stop_count = 1, "100,1000", 5, 3
     if shutil.which("taskset") is None or shutil.which("wrk") is None:

@@ -701,6 +701,40 @@ MUTATIONS = [
         ("tests/test_host_wire.py::test_results_over_max_response_bytes_are_refused_with_advice",),
     ),
     Mutation(
+        "what the kernel did not take at once is dropped, not owed",
+        "trio_gym/http/connection.py",
+        "            self._owed, self._owed_since = data[sent:], trio.current_time()",
+        "            pass",
+        (
+            "tests/test_http_mechanics.py::test_a_write_without_waiting_owes_what_the_kernel_did_not_take",
+        ),
+    ),
+    Mutation(
+        "owed bytes not paid before the next write",
+        "trio_gym/http/connection.py",
+        "                pending = bytearray(self._owed)",
+        "                pending = bytearray()",
+        (
+            "tests/test_http_mechanics.py::test_a_write_without_waiting_owes_what_the_kernel_did_not_take",
+        ),
+    ),
+    Mutation(
+        "bytes owed forever do not mean the peer is gone",
+        "trio_gym/http/connection.py",
+        "                if trio.current_time() - self._owed_since >= self.limits.send_timeout_s:",
+        "                if False:",
+        ("tests/test_http_mechanics.py::test_bytes_owed_for_send_timeout_mean_the_peer_is_gone",),
+    ),
+    Mutation(
+        "the pacer's heartbeat writes nothing",
+        "trio_gym/host/supervision.py",
+        "            self.body.send_nowait(self.data)",
+        "            pass",
+        (
+            "tests/test_proxy_regression.py::test_a_long_batch_arrives_whole_through_the_framing_proxy",
+        ),
+    ),
+    Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",
         "trio_gym/host/state.py",
         "            self.examples_cancelled += 1\n",

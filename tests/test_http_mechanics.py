@@ -180,3 +180,65 @@ async def test_a_body_larger_than_the_socket_buffer_arrives_whole_over_tcp() -> 
             await send_body(conn, 200, body, content_type="application/octet-stream")
             await conn.aclose()
     assert received.endswith(b"\r\n\r\n" + body)
+
+
+async def _chunked_answer_over_a_socketpair(
+    limits: HttpLimits,
+) -> tuple[ChunkedBody, HttpConnection, trio.SocketStream]:
+    """A started chunked answer on one end of a socket pair with small kernel buffers."""
+    import socket
+
+    server_sock, client_sock = trio.socket.socketpair()
+    server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    client_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    server, client = trio.SocketStream(server_sock), trio.SocketStream(client_sock)
+    conn = HttpConnection(server, h11.SERVER, limits)
+    await client.send_all(request_bytes(b"{}"))
+    head = await read_request_head(conn)
+    await read_body(conn, head, max_bytes=100, idle_timeout_s=5)
+    return await ChunkedBody.start(conn, 200, content_type="text/plain"), conn, client
+
+
+async def test_a_write_without_waiting_owes_what_the_kernel_did_not_take() -> None:
+    body, conn, client = await _chunked_answer_over_a_socketpair(HttpLimits())
+    sent = bytearray()
+    piece = b"z" * 10_000
+    async with client:
+        while body.send_nowait(piece):  # True: written, the kernel's leftover owed
+            sent += piece
+            if len(sent) > 10_000_000:
+                raise AssertionError("the kernel never filled up")
+        assert not body.send_nowait(piece)  # owed bytes first: nothing more taken, nothing sent
+        received = bytearray()
+
+        async def read_all() -> None:
+            while data := await client.receive_some(65536):
+                received.extend(data)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_all)
+            await body.finish(b"end")  # pays what is owed, then the rest
+            await conn.aclose()
+    reply = bytes(received)
+    decoded = h11.Connection(h11.CLIENT)
+    decoded.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+    decoded.send(h11.EndOfMessage())
+    decoded.receive_data(reply)
+    decoded.receive_data(b"")
+    data = bytearray()
+    while not isinstance(event := decoded.next_event(), h11.EndOfMessage):
+        if isinstance(event, h11.Data):
+            data += event.data
+    assert bytes(data) == bytes(sent) + b"end"
+
+
+async def test_bytes_owed_for_send_timeout_mean_the_peer_is_gone() -> None:
+    body, conn, client = await _chunked_answer_over_a_socketpair(HttpLimits(send_timeout_s=0.2))
+    async with client:
+        while body.send_nowait(b"z" * 10_000):
+            pass
+        await trio.sleep(0.3)  # the peer reads nothing
+        with pytest.raises(ConnectionLost, match="did not read"):
+            body.send_nowait(b"z")
+        assert conn.lost
+        await conn.aclose()

@@ -278,8 +278,10 @@ async def _answer_with_document(
     if body is None:
         await send_body(conn, answer.status, b"".join(answer.pieces), content_type=JSON)
     else:
-        *runs, last = coalesce(answer.pieces)
+        runs = coalesce(answer.pieces)  # one run at a time: a large document is not copied
+        held_back = next(runs)
         for run in runs:
-            await body.send(run)
-        await body.finish(last)
+            await body.send(held_back)
+            held_back = run
+        await body.finish(held_back)  # the last run and the end of the body in one write
     batch.advance(BatchState.DONE if answer.error is None else BatchState.FAILED)

@@ -18,9 +18,11 @@ outlives it is cancelled and still answered (``deadline_exceeded``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Final
 
+import attrs
 import trio
 
 from trio_gym.errors import ErrorCode, WireError, leaves
@@ -54,22 +56,30 @@ async def supervise(
     """
     examples_scope = trio.CancelScope(deadline=trio.current_time() + deadline_s)
     caller_lost: ConnectionLost | None = None
+    beat: _Heartbeat | None = None
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_caller, conn, body, heartbeat)
-            if body is not None:
-                interval = host.config.heartbeat_interval_s
-                nursery.start_soon(_send_heartbeats, host, body, heartbeat, interval)
-            # Tracked so that time spent in a checkpoint does not count against the deadline.
-            with (
-                host.stopped_by_shutdown(examples_scope),
-                host.checkpoints.batch_deadline(batch_id, examples_scope),
-                examples_scope,
-            ):
-                await work()
+            with contextlib.ExitStack() as beating:
+                if body is not None:
+                    interval = host.config.heartbeat_interval_s
+                    if host.pacer.running and body.can_send_nowait:
+                        beat = _Heartbeat(body, heartbeat, nursery.cancel_scope)
+                        beating.enter_context(host.pacer.every(interval, beat))
+                    else:  # a stream that cannot be written without waiting (memory, TLS)
+                        nursery.start_soon(_send_heartbeats, host, body, heartbeat, interval)
+                # Tracked so that time spent in a checkpoint does not count against the deadline.
+                with (
+                    host.stopped_by_shutdown(examples_scope),
+                    host.checkpoints.batch_deadline(batch_id, examples_scope),
+                    examples_scope,
+                ):
+                    await work()
             nursery.cancel_scope.cancel()
     except* ConnectionLost as group:
         caller_lost = leaves(group)[0]
+    if caller_lost is None and beat is not None:
+        caller_lost = beat.lost
     if caller_lost is not None:
         raise caller_lost
     if not examples_scope.cancelled_caught:
@@ -85,6 +95,24 @@ async def supervise(
         "its unfinished examples were cancelled; send fewer or shorter examples per request, "
         "or a larger deadline_s (capped by NMP_ROLLOUT_DEADLINE_S)",
     )
+
+
+@attrs.define
+class _Heartbeat:
+    """A heartbeat the pacer writes without waiting (no task per connection); a caller found
+    gone cancels the batch, and :func:`supervise` raises what was found."""
+
+    body: ChunkedBody
+    data: bytes
+    batch: trio.CancelScope
+    lost: ConnectionLost | None = None
+
+    def __call__(self) -> None:
+        try:
+            self.body.send_nowait(self.data)  # skipped (False) while another write is under way
+        except ConnectionLost as exc:
+            self.lost = exc
+            self.batch.cancel()
 
 
 async def _send_heartbeats(

@@ -51,6 +51,9 @@ class HttpConnection:
         self._send_lock = trio.StrictFIFOLock()
         self._head_bytes = 0
         self._lost = False
+        self._owed = b""
+        """Bytes h11 considers sent that the kernel has not taken yet (see send_nowait)."""
+        self._owed_since = math.inf
         self.eof_received = False
         """True once the peer shut down its sending side (a half-close or a full close)."""
         self.request_method: bytes | None = None
@@ -99,7 +102,8 @@ class HttpConnection:
             if self._lost:
                 raise ConnectionLost("an earlier write to this peer failed")
             with trio.CancelScope(shield=True):
-                pending = bytearray()
+                pending = bytearray(self._owed)
+                self._owed, self._owed_since = b"", math.inf
                 for event in events:
                     pending += self._bytes_of(event)
                     if len(pending) >= self.limits.write_bytes:
@@ -107,6 +111,44 @@ class HttpConnection:
                         pending.clear()
                 if pending:
                     await self._write(bytes(pending))
+
+    @property
+    def can_send_nowait(self) -> bool:
+        """True if :meth:`send_nowait` can write at all (the stream is a plain socket)."""
+        return isinstance(self._stream, trio.SocketStream)
+
+    def send_nowait(self, *events: h11.Event) -> bool:
+        """Write ``events`` now, without waiting, when that is possible: the stream is a
+        socket, no other write is in progress and nothing is owed from before. Returns False
+        otherwise, having written and changed nothing. Not a checkpoint.
+
+        Only for events that leave h11's state as it was (chunks of a body): what the kernel
+        does not take at once is *owed* and goes out first in the next write of either kind.
+        This is how heartbeats are written — one system call each, where :meth:`send` costs a
+        lock, a cancel scope and a task switch, which ten thousand connections beating every
+        second cannot afford. Raises :class:`ConnectionLost` if the peer is gone, or has taken
+        none of what is owed for ``send_timeout_s``.
+        """
+        if self._lost:
+            raise ConnectionLost("an earlier write to this peer failed")
+        if self._send_lock.locked() or not self.can_send_nowait:
+            return False
+        if self._owed:
+            self._owed = self._owed[self._write_now(self._owed) :]
+            if self._owed:
+                if trio.current_time() - self._owed_since >= self.limits.send_timeout_s:
+                    self._lost = True
+                    raise ConnectionLost(
+                        f"the peer did not read for {self.limits.send_timeout_s:g} s "
+                        "(send_timeout_s)"
+                    )
+                return False
+            self._owed_since = math.inf
+        data = b"".join(self._bytes_of(event) for event in events)
+        sent = self._write_now(data)
+        if sent < len(data):
+            self._owed, self._owed_since = data[sent:], trio.current_time()
+        return True
 
     async def _write(self, data: bytes) -> None:
         sent = self._write_now(data)

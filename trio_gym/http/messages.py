@@ -135,6 +135,17 @@ class ChunkedBody:
             raise ValueError("an empty chunk cannot be sent; finish() ends the body")
         await self._conn.send(*_data_events(data))
 
+    @property
+    def can_send_nowait(self) -> bool:
+        return self._conn.can_send_nowait
+
+    def send_nowait(self, data: bytes) -> bool:
+        """Send ``data`` as a chunk now if it can be done without waiting (see
+        :meth:`HttpConnection.send_nowait`); False if it was not sent."""
+        if not data:
+            raise ValueError("an empty chunk cannot be sent; finish() ends the body")
+        return self._conn.send_nowait(*_data_events(data))
+
     async def finish(self, last: bytes = b"") -> None:
         """Write ``last`` (if any) and the zero-length chunk that tells every reader the body
         is complete, in one write: a short answer's document and its end go out together."""
