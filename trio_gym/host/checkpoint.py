@@ -17,11 +17,10 @@ that batch's deadline stands still (its remaining time kept) and runs on after t
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Final
 
@@ -85,16 +84,15 @@ class Checkpoints:
 
     # --- batch deadlines ------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def batch_deadline(self, batch_id: str, scope: trio.CancelScope) -> Iterator[None]:
-        """Track a batch's deadline scope: while one of its episodes is parked, its deadline
-        stands still (time parked is not charged), and runs on from there on resume."""
+    def track_batch(self, batch_id: str, scope: trio.CancelScope) -> None:
+        """Track a batch's deadline scope until :meth:`untrack_batch`: while one of its
+        episodes is parked, its deadline stands still (time parked is not charged), and runs
+        on from there on resume."""
         self._batches[batch_id] = scope
-        try:
-            yield
-        finally:
-            del self._batches[batch_id]
-            self._frozen.pop(batch_id, None)
+
+    def untrack_batch(self, batch_id: str) -> None:
+        del self._batches[batch_id]
+        self._frozen.pop(batch_id, None)
 
     def _freeze_batch(self, live: LiveEpisode) -> None:
         scope = self._batches.get(live.batch_id)

@@ -11,25 +11,27 @@ round instead of one per heartbeat, and no task at all for a periodic beat.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import attrs
 import trio
 
 
 @attrs.define
-class _Beat:
+class Beat:
     interval_s: float
     call: Callable[[], None]
     stopped: bool = False
 
+    def stop(self) -> None:
+        self.stopped = True  # dropped from the heap when its time comes
+
 
 class Pacer:
     def __init__(self) -> None:
-        self._sleepers: list[tuple[float, int, trio.Event | _Beat]] = []
+        self._sleepers: list[tuple[float, int, trio.Event | Beat]] = []
         self._order = itertools.count()  # ties wake in the order they slept
         self._earlier = trio.Event()
         self._running = False
@@ -38,20 +40,17 @@ class Pacer:
     def running(self) -> bool:
         return self._running
 
-    @contextlib.contextmanager
-    def every(self, interval_s: float, call: Callable[[], None]) -> Iterator[None]:
-        """Call ``call()`` every ``interval_s`` (first after one interval) until the block
-        ends. ``call`` runs in the pacer's task: it must not block, and must not raise."""
+    def start_every(self, interval_s: float, call: Callable[[], None]) -> Beat:
+        """Call ``call()`` every ``interval_s`` (first after one interval) until the returned
+        beat's ``stop()``. ``call`` runs in the pacer's task: it must not block or raise. (A
+        handle, not a context manager: a generator frame per held connection is memory.)"""
         if not self._running:
             raise RuntimeError("periodic calls need a running pacer (Pacer.run)")
-        beat = _Beat(interval_s, call)
+        beat = Beat(interval_s, call)
         self._push(trio.current_time() + interval_s, beat)
-        try:
-            yield
-        finally:
-            beat.stopped = True  # dropped when its time comes
+        return beat
 
-    def _push(self, at: float, entry: trio.Event | _Beat) -> None:
+    def _push(self, at: float, entry: trio.Event | Beat) -> None:
         heapq.heappush(self._sleepers, (at, next(self._order), entry))
         if self._sleepers[0][2] is entry:
             self._earlier.set()  # the pacer sleeps until a later time: wake it to sleep less

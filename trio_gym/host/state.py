@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Final
 
 import attrs
@@ -195,17 +194,16 @@ class Host:
             for scope in self._stoppable:
                 scope.cancel()
 
-    @contextlib.contextmanager
-    def stopped_by_shutdown(self, scope: trio.CancelScope) -> Iterator[None]:
-        """Cancel ``scope`` when the host stops (at once if it already has). A registry, not a
-        watcher task per batch: a held connection is one task fewer."""
+    def cancel_on_shutdown(self, scope: trio.CancelScope) -> None:
+        """Cancel ``scope`` when the host stops (at once if it already has), until
+        :meth:`forget_on_shutdown`. A registry, not a watcher task per batch: a held connection
+        is one task fewer."""
         if self.shutdown_requested.is_set():
             scope.cancel()
         self._stoppable.add(scope)
-        try:
-            yield
-        finally:
-            self._stoppable.discard(scope)
+
+    def forget_on_shutdown(self, scope: trio.CancelScope) -> None:
+        self._stoppable.discard(scope)
 
     def refusal(self) -> WireError | None:
         """Why a batch would be refused right now, or ``None`` when it would be accepted.

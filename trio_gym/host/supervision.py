@@ -18,7 +18,6 @@ outlives it is cancelled and still answered (``deadline_exceeded``).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -28,6 +27,7 @@ import trio
 from trio_gym.errors import ErrorCode, WireError, leaves
 from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection
 
+from .pacer import Beat
 from .state import Host
 
 # Two probe writes this far apart tell a half-closed caller from a departed one when the round
@@ -60,21 +60,25 @@ async def supervise(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_caller, conn, body, heartbeat)
-            with contextlib.ExitStack() as beating:
-                if body is not None:
-                    interval = host.config.heartbeat_interval_s
-                    if host.pacer.running and body.can_send_nowait:
-                        beat = _Heartbeat(body, heartbeat, nursery.cancel_scope)
-                        beating.enter_context(host.pacer.every(interval, beat))
-                    else:  # a stream that cannot be written without waiting (memory, TLS)
-                        nursery.start_soon(_send_heartbeats, host, body, heartbeat, interval)
-                # Tracked so that time spent in a checkpoint does not count against the deadline.
-                with (
-                    host.stopped_by_shutdown(examples_scope),
-                    host.checkpoints.batch_deadline(batch_id, examples_scope),
-                    examples_scope,
-                ):
+            pacing: Beat | None = None
+            if body is not None:
+                interval = host.config.heartbeat_interval_s
+                if host.pacer.running and body.can_send_nowait:
+                    beat = _Heartbeat(body, heartbeat, nursery.cancel_scope)
+                    pacing = host.pacer.start_every(interval, beat)
+                else:  # a stream that cannot be written without waiting (memory, TLS)
+                    nursery.start_soon(_send_heartbeats, host, body, heartbeat, interval)
+            host.cancel_on_shutdown(examples_scope)
+            # Tracked so that time spent in a checkpoint does not count against the deadline.
+            host.checkpoints.track_batch(batch_id, examples_scope)
+            try:
+                with examples_scope:
                     await work()
+            finally:
+                host.checkpoints.untrack_batch(batch_id)
+                host.forget_on_shutdown(examples_scope)
+                if pacing is not None:
+                    pacing.stop()
             nursery.cancel_scope.cancel()
     except* ConnectionLost as group:
         caller_lost = leaves(group)[0]
