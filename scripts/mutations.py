@@ -735,6 +735,93 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "the gate lets dispatchers through while closed",
+        "trio_gym/trainer/gate.py",
+        "        while not self._opened.is_set():\n            await self._opened.wait()",
+        "        pass",
+        ("tests/test_gate.py::test_a_checkpoint_never_counts_an_attempt_waiting_at_the_gate",),
+    ),
+    Mutation(
+        "closing the gate does not wait for admissions under way",
+        "trio_gym/trainer/gate.py",
+        "        while self._inside:",
+        "        while False:",
+        ("tests/test_gate.py::test_closing_waits_for_an_admission_under_way",),
+    ),
+    Mutation(
+        "the ledger changed outside a mutation",
+        "trio_gym/trainer/ledger.py",
+        "        if not self._changed.locked():",
+        "        if False:",
+        ("tests/test_ledger.py::test_changes_outside_a_mutation_are_refused",),
+    ),
+    Mutation(
+        "a move the table lacks is allowed",
+        "trio_gym/trainer/ledger.py",
+        "        if to not in MOVES[attempt.state]:",
+        "        if False:",
+        ("tests/test_ledger.py::test_moves_the_table_does_not_allow_are_refused",),
+    ),
+    Mutation(
+        "waiting for a mutation by polling",
+        "trio_gym/trainer/ledger.py",
+        "            while self.mutations <= after:\n                await self._changed.wait()",
+        "            while self.mutations <= after:\n                self._changed.release()\n                await trio.sleep(0.05)\n                await self._changed.acquire()",
+        ("tests/test_ledger.py::test_a_waiter_wakes_at_the_next_mutation_and_not_before",),
+    ),
+    Mutation(
+        "a saved ledger with unknown fields loads",
+        "trio_gym/trainer/ledger.py",
+        'model_config = ConfigDict(extra="forbid", frozen=True, strict=True)',
+        'model_config = ConfigDict(extra="ignore", frozen=True, strict=True)',
+        (
+            "tests/test_ledger.py::test_a_ledger_that_is_not_exactly_ours_is_refused_with_the_reason",
+        ),
+    ),
+    Mutation(
+        "an episode listed twice loads",
+        "trio_gym/trainer/ledger.py",
+        "        if attempt.capture_key in self._by_key:",
+        "        if False:",
+        (
+            "tests/test_ledger.py::test_a_ledger_that_is_not_exactly_ours_is_refused_with_the_reason",
+        ),
+    ),
+    Mutation(
+        "one holder's release ends another's pause",
+        "trio_gym/trainer/deadlines.py",
+        "        self._holders.discard(holder)\n        if not self._holders:",
+        "        self._holders.discard(holder)\n        if True:",
+        (
+            "tests/test_deadlines.py::test_a_paused_deadline_stands_still_until_the_last_holder_releases",
+        ),
+    ),
+    Mutation(
+        "a request started during a pause runs its deadline",
+        "trio_gym/trainer/deadlines.py",
+        "        if self._holders:\n            self._freeze(scope)",
+        "        pass",
+        ("tests/test_deadlines.py::test_a_request_that_starts_during_a_pause_waits_for_it",),
+    ),
+    Mutation(
+        "a trainer manifest without participant topology loads",
+        "trio_gym/trainer/manifest.py",
+        "    participants: list[Participant] = Field(min_length=1)",
+        "    participants: list[Participant] = []",
+        (
+            "tests/test_trainer_manifest.py::test_a_manifest_without_topology_or_with_surprises_is_refused",
+        ),
+    ),
+    Mutation(
+        "an episode with two owners loads",
+        "trio_gym/trainer/manifest.py",
+        "            if key in seen:",
+        "            if False:",
+        (
+            "tests/test_trainer_manifest.py::test_a_manifest_without_topology_or_with_surprises_is_refused",
+        ),
+    ),
+    Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",
         "trio_gym/host/state.py",
         "            self.examples_cancelled += 1\n",

@@ -1,0 +1,99 @@
+"""The trainer's checkpoint manifest, ``gym_checkpoint.json``: written last, atomically.
+
+It names the checkpoint, holds the recovery ledger, and for each host instance the episodes it
+exported (by capture key) and its participants — the state-holding parts whose exports must be
+found on disk, unchanged, before anything is restored. Loading is strict: a manifest without
+participant topology, or with anything it should not have, is refused with the reason, because
+restoring from a manifest that cannot say where the state is would install nothing or the wrong
+thing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trio_gym.config import describe_validation_error
+
+MANIFEST_NAME: Final = "gym_checkpoint.json"
+MANIFEST_FORMAT: Final = "trio-gym-trainer-checkpoint-v1"
+
+
+class ManifestError(Exception):
+    """A manifest that cannot be loaded as it is; the message says what is wrong."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Participant(_Strict):
+    server_name: str = Field(min_length=1)
+    kind: str = Field(min_length=1)
+    state_directory: str = Field(min_length=1)
+    records_file: str = Field(pattern=r"^[0-9a-f]{64}\.jsonl$")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    record_count: int = Field(ge=0)
+
+
+class HostExport(_Strict):
+    instance: str = Field(min_length=1)
+    """The host's URL: restored episodes go back to it and nowhere else."""
+    directory: str = Field(min_length=1)
+    """Where the host exported (its manifest and participants live under it)."""
+    episodes: list[str]
+    """Capture keys of the episodes this host exported (parked at a step boundary)."""
+    participants: list[Participant] = Field(min_length=1)
+
+
+class CheckpointManifest(_Strict):
+    format: Literal["trio-gym-trainer-checkpoint-v1"]
+    checkpoint_id: str = Field(min_length=1)
+    ledger: dict[str, Any]
+    hosts: list[HostExport]
+
+
+def write_manifest(directory: Path, manifest: CheckpointManifest) -> Path:
+    """Write ``gym_checkpoint.json`` atomically: a temporary file, fsynced, renamed over, and
+    the directory fsynced — a crash leaves the old manifest or the new one, never a mix."""
+    path = directory / MANIFEST_NAME
+    temporary = directory / f".{MANIFEST_NAME}.tmp"
+    data = json.dumps(manifest.model_dump(), indent=1, sort_keys=True).encode()
+    with temporary.open("wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+    return path
+
+
+def load_manifest(directory: Path) -> CheckpointManifest:
+    path = directory / MANIFEST_NAME
+    try:
+        document = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no checkpoint manifest here") from None
+    except ValueError as exc:
+        raise ManifestError(f"{path}: not JSON ({exc})") from exc
+    try:
+        manifest = CheckpointManifest.model_validate(document)
+    except ValidationError as exc:
+        raise ManifestError(f"{path}: {describe_validation_error(exc)}") from exc
+    seen: dict[str, str] = {}
+    for host in manifest.hosts:
+        for key in host.episodes:
+            if key in seen:
+                raise ManifestError(
+                    f"{path}: episode {key} is exported by both {seen[key]} and {host.instance}"
+                )
+            seen[key] = host.instance
+    return manifest
