@@ -822,6 +822,36 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "a beat that raises stops the pacer (and every heartbeat)",
+        "trio_gym/host/pacer.py",
+        "        except Exception:  # a bug in one beat must not stop every heartbeat of the host",
+        "        except ZeroDivisionError:",
+        ("tests/test_pacer.py::test_a_beat_that_raises_is_dropped_and_the_others_go_on",),
+    ),
+    Mutation(
+        "the pacer stops with the listener, before the connections",
+        "trio_gym/host/server.py",
+        "                server_tasks.cancel_scope.cancel()\n",
+        "                server_tasks.cancel_scope.cancel()\n                pacing.cancel_scope.cancel()\n",
+        ("tests/test_host_wire.py::test_heartbeats_go_on_while_a_stopping_host_waits_for_a_batch",),
+    ),
+    Mutation(
+        "the document's closing bytes not counted against the limit",
+        "trio_gym/host/batch.py",
+        "max(0, count - 1) + len(self._tail) + 1",
+        "max(0, count - 1) + len(self._tail)",
+        ("tests/test_results_document.py::test_the_limit_is_exact_to_the_byte",),
+    ),
+    Mutation(
+        "results after the size limit not checked for JSON",
+        "trio_gym/host/batch.py",
+        "        self._added += 1\n        try:",
+        "        self._added += 1\n        if self._too_large_after is not None:\n            return\n        try:",
+        (
+            "tests/test_results_document.py::test_a_result_that_is_not_json_wins_whatever_finished_first",
+        ),
+    ),
+    Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",
         "trio_gym/host/state.py",
         "            self.examples_cancelled += 1\n",

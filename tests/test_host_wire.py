@@ -14,6 +14,7 @@ import trio
 
 from tests.helpers import (
     CountingRunner,
+    Reply,
     ScriptedRunner,
     exchange,
     read_reply,
@@ -528,3 +529,41 @@ async def test_a_result_nested_too_deeply_to_encode_fails_its_example_cleanly() 
     assert document.complete and "example 1 is not JSON" in document.json()["error"]["message"]
     lines = [json.loads(line) for line in rows.body.split(b"\n") if line.strip()]
     assert lines[-1] == {"done": True, "completed": 1, "failed": 1}
+
+
+class SlowToStop:
+    """An example whose cleanup, once cancelled, takes 1.5 s (closing a sandbox, say)."""
+
+    def check_example(self, example: Any) -> None:
+        pass
+
+    async def run_example(self, example: Any, context: Any) -> Any:
+        try:
+            await trio.sleep(60)
+        finally:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(1.5)
+
+
+async def test_heartbeats_go_on_while_a_stopping_host_waits_for_a_batch() -> None:
+    """The pacer outlives the connections: during the shutdown grace a batch still beats."""
+    async with running_host(runner=SlowToStop(), heartbeat_interval_s=0.1, shutdown_grace_s=30) as (
+        host,
+        port,
+    ):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream, trio.open_nursery() as nursery:
+            replies: list[Reply] = []
+
+            async def read() -> None:
+                replies.append(await read_reply(stream))
+
+            await stream.send_all(request_bytes({"examples": [{}]}))
+            nursery.start_soon(read)
+            await trio.sleep(0.5)
+            stopping_at = trio.current_time()
+            host.request_shutdown()
+    (reply,) = replies
+    beats = [at for at, data in reply.pieces if data == b" " and at > stopping_at + 0.05]
+    assert reply.json()["error"]["code"] == "shutting_down"
+    assert len(beats) >= 3  # about 14 in the 1.5 s; none at all when the pacer stopped first

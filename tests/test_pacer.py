@@ -81,3 +81,26 @@ async def test_sleepers_finish_alone_when_the_pacer_stops(autojump_clock: trio.a
 async def _run_in(pacer: Pacer, scope: trio.CancelScope) -> None:
     with scope:
         await pacer.run()
+
+
+async def test_a_beat_that_raises_is_dropped_and_the_others_go_on(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    pacer = Pacer()
+    calls: list[tuple[str, float]] = []
+
+    def broken() -> None:
+        calls.append(("broken", trio.current_time()))
+        raise RuntimeError("a bug in a beat")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pacer.run)
+        await trio.testing.wait_all_tasks_blocked()
+        pacer.start_every(1.0, broken)
+        steady = pacer.start_every(1.0, lambda: calls.append(("steady", trio.current_time())))
+        await trio.sleep(3.5)
+        steady.stop()
+        await trio.sleep(2)
+        nursery.cancel_scope.cancel()
+    assert [c for c in calls if c[0] == "broken"] == [("broken", 1.0)]
+    assert [at for name, at in calls if name == "steady"] == [1.0, 2.0, 3.0]

@@ -223,7 +223,7 @@ def _collect_garbage_in_bulk() -> None:
     interval survives into the old generation, whose full collections then walk every live
     connection's objects — pauses of over a second, measured as heartbeat lateness
     (BENCHMARKS.md). Rarer young collections let per-heartbeat objects die young; freezing
-    what exists at startup (modules, the runner) keeps it out of every collection.
+    what exists at startup (modules, configuration) keeps it out of every collection.
     """
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 100)
     gc.freeze()

@@ -212,7 +212,8 @@ class ResultsDocument:
         self._tail = encode_json(attrs.asdict(info))
         self._count = count
         self._parts: list[bytes] = [b""] * count
-        self._size = len(b'{"results":[') + len(self._tail) + max(0, count - 1)
+        # The opening, the commas, and the closing b"]," + tail[1:]: what pieces() will join.
+        self._size = len(b'{"results":[') + max(0, count - 1) + len(self._tail) + 1
         self._max_bytes = max_bytes
         self._added = 0
         self._not_json: dict[int, str] = {}
@@ -220,13 +221,13 @@ class ResultsDocument:
 
     def add(self, index: int, result: Any) -> None:
         self._added += 1
-        if self._too_large_after is not None:
-            return
         try:
             encoded = encode_json(result)
         except (TypeError, ValueError, RecursionError) as exc:
             self._not_json[index] = str(exc)
             return
+        if self._too_large_after is not None:
+            return  # still encoded: a result that is not JSON outranks the size, whenever it comes
         self._size += len(encoded)
         if self._size > self._max_bytes:
             self._too_large_after = self._added
@@ -237,8 +238,10 @@ class ResultsDocument:
     def pieces(self) -> list[bytes]:
         """The document as byte pieces whose concatenation is one JSON object.
 
-        Raises :class:`WireError` ``internal`` (a result that is not JSON) or
-        ``payload_too_large`` (status 500: the request was fine, the answer is too big).
+        Raises :class:`WireError` ``internal`` naming the first example (by index) whose result
+        is not JSON — a bug outranks a size, and the answer must not depend on which example
+        finished first — else ``payload_too_large`` (status 500: the request was fine, the
+        answer is too big).
         """
         if self._not_json:
             index = min(self._not_json)
@@ -249,8 +252,8 @@ class ResultsDocument:
         if self._too_large_after is not None:
             raise WireError(
                 ErrorCode.PAYLOAD_TOO_LARGE,
-                f"the results document exceeds max_response_bytes={self._max_bytes} after "
-                f"{self._too_large_after} of {self._count} results; send "
+                f"the results document exceeds max_response_bytes={self._max_bytes} once "
+                f"{self._too_large_after} of {self._count} results had arrived; send "
                 "fewer examples per request (the trainer's chunk size) or raise "
                 "max_response_bytes (NMP_MAX_RESPONSE_BYTES)",
                 status=500,

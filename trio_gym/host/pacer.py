@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 from collections.abc import Callable
 
 import attrs
 import trio
+
+from trio_gym.logs import log_event
 
 
 @attrs.define
@@ -49,6 +52,15 @@ class Pacer:
         beat = Beat(interval_s, call)
         self._push(trio.current_time() + interval_s, beat)
         return beat
+
+    def _call(self, beat: Beat, now: float) -> None:
+        try:
+            beat.call()
+        except Exception:  # a bug in one beat must not stop every heartbeat of the host
+            log_event("beat_failed", level=logging.ERROR, exc_info=True)
+            beat.stop()
+            return
+        self._push(now + beat.interval_s, beat)
 
     def _push(self, at: float, entry: trio.Event | Beat) -> None:
         heapq.heappush(self._sleepers, (at, next(self._order), entry))
@@ -89,10 +101,7 @@ class Pacer:
                     if isinstance(entry, trio.Event):
                         entry.set()
                     elif not entry.stopped:
-                        entry.call()
-                        heapq.heappush(
-                            self._sleepers, (now + entry.interval_s, next(self._order), entry)
-                        )
+                        self._call(entry, now)
         finally:
             self._running = False
             for _, _, entry in self._sleepers:

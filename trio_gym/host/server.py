@@ -183,24 +183,28 @@ async def serve(
             "choose another --port (NMP_RUNTIME_HTTP_PORT) or stop what holds it"
         ) from exc
     port: int = listeners[0].socket.getsockname()[1]
-    async with trio.open_nursery() as connections:
-        async with trio.open_nursery() as server_tasks:
-            server_tasks.start_soon(host.bootstrap)
-            server_tasks.start_soon(host.checkpoints.watch_lease)
-            server_tasks.start_soon(host.pacer.run)
-            server_tasks.start_soon(
-                partial(
-                    trio.serve_listeners,
-                    partial(handle_connection, host),
-                    listeners,
-                    handler_nursery=connections,
+    # The pacer outlives every connection: batches answering during the shutdown grace still
+    # beat. It stops once the last connection has closed.
+    async with trio.open_nursery() as pacing:
+        pacing.start_soon(host.pacer.run)
+        async with trio.open_nursery() as connections:
+            async with trio.open_nursery() as server_tasks:
+                server_tasks.start_soon(host.bootstrap)
+                server_tasks.start_soon(host.checkpoints.watch_lease)
+                server_tasks.start_soon(
+                    partial(
+                        trio.serve_listeners,
+                        partial(handle_connection, host),
+                        listeners,
+                        handler_nursery=connections,
+                    )
                 )
-            )
-            log_event("listening", host=config.host, port=port)
-            task_status.started(port)
-            await host.shutdown_requested.wait()
-            server_tasks.cancel_scope.cancel()
-        log_event("stopped_accepting", open_connections=host.stats.connections_open)
-        connections.cancel_scope.deadline = trio.current_time() + config.shutdown_grace_s
+                log_event("listening", host=config.host, port=port)
+                task_status.started(port)
+                await host.shutdown_requested.wait()
+                server_tasks.cancel_scope.cancel()
+            log_event("stopped_accepting", open_connections=host.stats.connections_open)
+            connections.cancel_scope.deadline = trio.current_time() + config.shutdown_grace_s
+        pacing.cancel_scope.cancel()
     await host.close_runner()
     log_event("stopped")
