@@ -673,7 +673,7 @@ MUTATIONS = [
     Mutation(
         "the pacer not woken for a sleeper earlier than its next wake-up",
         "trio_gym/host/pacer.py",
-        "        if self._sleepers[0][2] is woken:\n            self._earlier.set()",
+        "        if self._sleepers[0][2] is entry:\n            self._earlier.set()",
         "        if False:\n            self._earlier.set()",
         ("tests/test_pacer.py::test_sleepers_wake_at_their_own_times_in_order",),
     ),
