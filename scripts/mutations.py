@@ -852,6 +852,20 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "the drain polls instead of waiting on mutations",
+        "trio_gym/trainer/drain.py",
+        "            await ledger.wait_for_mutation(cursor)",
+        "            await trio.sleep(0.05)",
+        ("tests/test_drain.py::test_the_drain_ends_when_the_last_reply_in_flight_settles",),
+    ),
+    Mutation(
+        "a drain timeout lists every id",
+        "trio_gym/trainer/drain.py",
+        "    raise DrainTimeout(len(left), left[:SAMPLE], timeout_s)",
+        "    raise DrainTimeout(len(left), left, timeout_s)",
+        ("tests/test_drain.py::test_a_drain_that_times_out_reports_a_count_and_a_short_sample",),
+    ),
+    Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",
         "trio_gym/host/state.py",
         "            self.examples_cancelled += 1\n",
