@@ -1,86 +1,42 @@
-"""The pacer: one timer that wakes every heartbeat at the time it asked for."""
+"""The pacer: one timer that calls every heartbeat at its own times."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
 from trio_gym.host.pacer import Pacer
 
 
-async def test_sleepers_wake_at_their_own_times_in_order(autojump_clock: trio.abc.Clock) -> None:
+async def test_beats_are_called_at_their_own_times_in_order(
+    autojump_clock: trio.abc.Clock,
+) -> None:
     pacer = Pacer()
-    woke: list[tuple[str, float]] = []
+    calls: list[tuple[str, float]] = []
 
-    async def sleeper(name: str, at: float) -> None:
-        await pacer.sleep_until(at)
-        woke.append((name, trio.current_time()))
+    def beat(name: str) -> None:
+        calls.append((name, trio.current_time()))
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(pacer.run)
         await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(sleeper, "late", 5.0)
-        await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(sleeper, "early", 2.0)  # earlier than the pacer sleeps for
-        nursery.start_soon(sleeper, "tie", 2.0)
-        await trio.sleep(6)
+        slow = pacer.start_every(5.0, lambda: beat("slow"))
+        await trio.testing.wait_all_tasks_blocked()  # the pacer now sleeps until 5
+        fast = pacer.start_every(2.0, lambda: beat("fast"))  # due earlier than that
+        await trio.sleep(10.5)
+        slow.stop()
+        fast.stop()
+        await trio.sleep(10)
         nursery.cancel_scope.cancel()
-    assert dict(woke) == {"early": 2.0, "tie": 2.0, "late": 5.0}
-    assert [at for _, at in woke] == [2.0, 2.0, 5.0]  # woken in time order
+    assert [at for name, at in calls if name == "fast"] == [2.0, 4.0, 6.0, 8.0, 10.0]
+    assert [at for name, at in calls if name == "slow"] == [5.0, 10.0]
+    assert [at for _, at in calls] == sorted(at for _, at in calls)  # called in time order
 
 
-async def test_a_cancelled_sleeper_leaves_the_others_on_time(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    pacer = Pacer()
-    woke: list[float] = []
-
-    async def sleeper(at: float) -> None:
-        await pacer.sleep_until(at)
-        woke.append(trio.current_time())
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(pacer.run)
-        await trio.testing.wait_all_tasks_blocked()
-        with trio.move_on_after(1):
-            await pacer.sleep_until(3.0)
-        nursery.start_soon(sleeper, 4.0)
-        await trio.sleep(5)
-        nursery.cancel_scope.cancel()
-    assert woke == [4.0] and trio.current_time() >= 5
-
-
-async def test_without_a_running_pacer_a_sleeper_sleeps_alone(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    pacer = Pacer()
-    await pacer.sleep_until(7.0)
-    assert trio.current_time() == 7.0
-
-
-async def test_sleepers_finish_alone_when_the_pacer_stops(autojump_clock: trio.abc.Clock) -> None:
-    pacer = Pacer()
-    woke: list[float] = []
-
-    async def sleeper() -> None:
-        await pacer.sleep_until(10.0)
-        woke.append(trio.current_time())
-
-    pacing = trio.CancelScope()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(sleeper)  # before the pacer runs: sleeps alone
-        await trio.testing.wait_all_tasks_blocked()
-        nursery.start_soon(_run_in, pacer, pacing)
-        await trio.sleep(1)
-        nursery.start_soon(sleeper)  # on the pacer, which then stops
-        await trio.testing.wait_all_tasks_blocked()
-        pacing.cancel()
-    assert woke == [10.0, 10.0]
-
-
-async def _run_in(pacer: Pacer, scope: trio.CancelScope) -> None:
-    with scope:
-        await pacer.run()
+async def test_periodic_calls_need_a_running_pacer(autojump_clock: trio.abc.Clock) -> None:
+    with pytest.raises(RuntimeError, match="running pacer"):
+        Pacer().start_every(1.0, lambda: None)
 
 
 async def test_a_beat_that_raises_is_dropped_and_the_others_go_on(

@@ -66,8 +66,8 @@ async def supervise(
                 if host.pacer.running and body.can_send_nowait:
                     beat = _Heartbeat(body, heartbeat, nursery.cancel_scope)
                     pacing = host.pacer.start_every(interval, beat)
-                else:  # a stream that cannot be written without waiting (memory, TLS)
-                    nursery.start_soon(_send_heartbeats, host, body, heartbeat, interval)
+                else:  # no pacer (a host driven without serve), or a stream that must be awaited
+                    nursery.start_soon(_send_heartbeats, body, heartbeat, interval)
             host.cancel_on_shutdown(examples_scope)
             # Tracked so that time spent in a checkpoint does not count against the deadline.
             host.checkpoints.track_batch(batch_id, examples_scope)
@@ -119,11 +119,9 @@ class _Heartbeat:
             self.batch.cancel()
 
 
-async def _send_heartbeats(
-    host: Host, body: ChunkedBody, heartbeat: bytes, interval_s: float
-) -> None:
+async def _send_heartbeats(body: ChunkedBody, heartbeat: bytes, interval_s: float) -> None:
     while True:
-        await host.pacer.sleep_until(trio.current_time() + interval_s)
+        await trio.sleep(interval_s)
         await body.send(heartbeat)
 
 
