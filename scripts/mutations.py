@@ -859,6 +859,13 @@ MUTATIONS = [
         ("tests/test_drain.py::test_a_drain_that_times_out_reports_a_count_and_a_short_sample",),
     ),
     Mutation(
+        "a retry reuses the lost attempt's rollout id",
+        "trio_gym/trainer/ledger.py",
+        "_rollout_id(sibling.group_id, sibling.index, sibling.generation + 1)",
+        "_rollout_id(sibling.group_id, sibling.index, sibling.generation)",
+        ("tests/test_ledger.py::test_a_retry_is_a_fresh_attempt_under_a_new_rollout_id",),
+    ),
+    Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",
         "trio_gym/host/state.py",
         "            self.examples_cancelled += 1\n",

@@ -155,7 +155,6 @@ def _saved(change: Any) -> dict[str, Any]:
                 "siblings": [
                     {
                         "index": 0,
-                        "generation": 0,
                         "attempts": [
                             {"rollout_id": "g1.0", "attempt": 0, "host": A, "state": "sealed"}
                         ],

@@ -70,12 +70,16 @@ class Sibling:
     group_id: str
     index: int
     attempts: list[Attempt]
-    generation: int = 0
-    """How many fresh rollout ids this sibling has had (a re-send after a loss takes a new one)."""
 
     @property
     def current(self) -> Attempt:
         return self.attempts[-1]
+
+    @property
+    def generation(self) -> int:
+        """How many fresh rollout ids this sibling has had (a re-send after a loss takes a new
+        one; a restore keeps it)."""
+        return len({attempt.rollout_id for attempt in self.attempts}) - 1
 
 
 @attrs.define
@@ -181,9 +185,8 @@ class Ledger:
         sibling, attempt = self._by_key[key]
         if attempt.state is not AttemptState.ABANDONED or sibling.current is not attempt:
             raise LedgerError(f"{key}: only the current, abandoned attempt is retried")
-        sibling.generation += 1
         fresh = Attempt(
-            _rollout_id(sibling.group_id, sibling.index, sibling.generation),
+            _rollout_id(sibling.group_id, sibling.index, sibling.generation + 1),
             0,
             host or attempt.host,
         )
@@ -215,7 +218,6 @@ class Ledger:
                     siblings=[
                         _SiblingFile(
                             index=sibling.index,
-                            generation=sibling.generation,
                             attempts=[
                                 _AttemptFile(
                                     rollout_id=a.rollout_id,
@@ -247,7 +249,7 @@ class Ledger:
                 raise LedgerError(f"the ledger lists group {group.group_id!r} twice")
             siblings = []
             for entry in group.siblings:
-                sibling = Sibling(group.group_id, entry.index, [], entry.generation)
+                sibling = Sibling(group.group_id, entry.index, [])
                 for a in entry.attempts:
                     attempt = Attempt(a.rollout_id, a.attempt, a.host, AttemptState(a.state))
                     try:
@@ -276,7 +278,6 @@ class _AttemptFile(_Strict):
 
 class _SiblingFile(_Strict):
     index: int = Field(ge=0)
-    generation: int = Field(ge=0)
     attempts: list[_AttemptFile] = Field(min_length=1)
 
 
