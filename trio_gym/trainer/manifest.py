@@ -18,6 +18,7 @@ from typing import Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trio_gym.config import describe_validation_error
+from trio_gym.host.export import ManifestParticipant
 
 MANIFEST_NAME: Final = "gym_checkpoint.json"
 MANIFEST_FORMAT: Final = "trio-gym-trainer-checkpoint-v1"
@@ -31,13 +32,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class Participant(_Strict):
-    server_name: str = Field(min_length=1)
-    kind: str = Field(min_length=1)
+class Participant(ManifestParticipant):
+    """A participant as the host's commit reply names it (the host's own checks on every
+    field), and where its state lives; nothing else."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
     state_directory: str = Field(min_length=1)
-    records_file: str = Field(pattern=r"^[0-9a-f]{64}\.jsonl$")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    record_count: int = Field(ge=0)
 
 
 class HostExport(_Strict):
