@@ -18,7 +18,7 @@ from trio_gym.logs import log_event
 from trio_gym.runners import ExampleContext
 
 from .episodes import ATTEMPT_KEY, ROLLOUT_ID_KEY, EpisodeId, LiveEpisode
-from .state import Host
+from .state import Host, ResultsInfo
 
 IDENTITY_KEYS: Final = ("_ng_task_index", "_ng_rollout_index", "_sg_example_id")
 
@@ -189,15 +189,6 @@ def batch_error(failures: Sequence[ExampleFailed]) -> WireError:
     return WireError(first.code, describe_failure(first, others))
 
 
-@attrs.frozen
-class ResultsInfo:
-    """What every results document carries beside the results."""
-
-    job_id: str
-    environment_path: str
-    work_path: str
-
-
 class ResultsDocument:
     """The success document, built while the batch runs.
 
@@ -209,7 +200,7 @@ class ResultsDocument:
     """
 
     def __init__(self, count: int, info: ResultsInfo, max_bytes: int) -> None:
-        self._tail = encode_json(attrs.asdict(info))
+        self._tail = info.encoded
         self._count = count
         self._parts: list[bytes] = [b""] * count
         # The opening, the commas, and the closing b"]," + tail[1:]: what pieces() will join.

@@ -36,7 +36,6 @@ from .batch import (
     BatchState,
     ExampleFailed,
     ResultsDocument,
-    ResultsInfo,
     batch_error,
     coalesce,
     run_examples,
@@ -237,12 +236,7 @@ async def _answer_with_document(
     body = None
     if conn.their_http_version == b"1.1":
         body = await ChunkedBody.start(conn, 200, content_type=JSON)
-    info = ResultsInfo(
-        job_id=host.config.job_id,
-        environment_path=host.config.environment_path,
-        work_path=host.config.work_path,
-    )
-    document = ResultsDocument(len(examples), info, host.config.max_response_bytes)
+    document = ResultsDocument(len(examples), host.results_info, host.config.max_response_bytes)
     failures: list[ExampleFailed] = []
 
     async def work() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ import trio
 
 from trio_gym.config import ServeConfig
 from trio_gym.errors import ErrorCode, WireError
+from trio_gym.http import encode_json
 from trio_gym.install import InstallError, install_environment
 from trio_gym.logs import log_event
 from trio_gym.runners import Runner, load_runner
@@ -42,6 +44,20 @@ class Failed:
 
 
 Phase = Starting | Ready | Failed
+
+
+@attrs.frozen
+class ResultsInfo:
+    """What every results document carries beside the results."""
+
+    job_id: str
+    environment_path: str
+    work_path: str
+
+    @functools.cached_property
+    def encoded(self) -> bytes:
+        """The fields as a JSON object, encoded once per host rather than once per batch."""
+        return encode_json(attrs.asdict(self))
 
 
 @attrs.define
@@ -87,6 +103,8 @@ class Host:
     ) -> None:
         self.config = config
         self.limits = config.http_limits()
+        self.results_info = ResultsInfo(config.job_id, config.environment_path, config.work_path)
+        """What every results document carries beside its results (fixed for the host's life)."""
         self.stats = HostStats()
         self.shutdown_requested = trio.Event()
         self._stoppable: set[trio.CancelScope] = set()
