@@ -866,6 +866,15 @@ MUTATIONS = [
         ("tests/test_ledger.py::test_a_retry_is_a_fresh_attempt_under_a_new_rollout_id",),
     ),
     Mutation(
+        "the trainer manifest written in place",
+        "trio_gym/trainer/manifest.py",
+        '    temporary = directory / f".{MANIFEST_NAME}.tmp"',
+        "    temporary = path",
+        (
+            "tests/test_trainer_manifest.py::test_a_write_that_fails_half_way_leaves_the_old_manifest",
+        ),
+    ),
+    Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",
         "trio_gym/host/state.py",
         "            self.examples_cancelled += 1\n",

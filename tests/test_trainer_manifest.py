@@ -89,3 +89,19 @@ def test_no_manifest_or_a_broken_one_is_named(tmp_path: Path) -> None:
     (tmp_path / MANIFEST_NAME).write_text('{"format": ')
     with pytest.raises(ManifestError, match="not JSON"):
         load_manifest(tmp_path)
+
+
+def test_a_write_that_fails_half_way_leaves_the_old_manifest(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = CheckpointManifest.model_validate(manifest(checkpoint_id="c6"))
+    write_manifest(tmp_path, old)
+
+    def crash(descriptor: int) -> None:
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr("os.fsync", crash)
+    with pytest.raises(OSError, match="disk went away"):
+        write_manifest(tmp_path, CheckpointManifest.model_validate(manifest()))
+    monkeypatch.undo()
+    assert load_manifest(tmp_path) == old
