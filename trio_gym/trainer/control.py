@@ -14,12 +14,14 @@ from typing import Any, Final
 
 import trio
 
+from trio_gym.errors import quote_body
 from trio_gym.http import (
     BodyFailed,
     Endpoint,
     HttpLimits,
     NoResponse,
     StreamOpener,
+    encode_json,
     exchange,
     open_tcp,
 )
@@ -142,7 +144,7 @@ class HostControl:
     async def _call(
         self, method: str, name: str, body: dict[str, Any] | None, timeout_s: float
     ) -> dict[str, Any]:
-        payload = json.dumps(body).encode() if body is not None else b""
+        payload = encode_json(body) if body is not None else b""
         with trio.move_on_after(timeout_s + self._grace):
             try:
                 response = await exchange(
@@ -166,7 +168,7 @@ class HostControl:
             except ValueError as exc:
                 raise ControlError(
                     f"{name}: the host answered HTTP {response.status} with a body that is not "
-                    f"JSON: {response.body[:200]!r}",
+                    f"JSON: {quote_body(response.body)}",
                     code="bad_reply",
                     status=response.status,
                 ) from exc
