@@ -23,8 +23,8 @@ not yet known.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final, TypeVar
 
 import attrs
 import trio
@@ -46,6 +46,8 @@ from trio_gym.http import (
 )
 from trio_gym.logs import log_event
 from trio_gym.runners.base import ExampleContext
+
+T = TypeVar("T")
 
 AGENT_KEY: Final = "responses_api_agents"
 ENVIRONMENT_KEY: Final = "environment_servers"
@@ -254,16 +256,7 @@ class AgentsRunner:
     async def start(self) -> None:
         """Learn the deployment from the head server, if there is one; a head server that is
         not up yet is tried ``connect_attempts`` times, with the same backoff as agents."""
-        attempts = self.settings.connect_attempts
-        for attempt in range(1, attempts + 1):
-            try:
-                await self.directory.refresh()
-                return
-            except AgentError as exc:
-                if attempt == attempts:
-                    raise AgentError(f"{exc} (after {attempts} attempt(s))") from exc
-                log_event("head_server_retry", attempt=attempt, error=str(exc))
-                await trio.sleep(self.settings.retry_backoff_s * attempt)
+        await self._attempts(self.directory.refresh, AgentError, "head_server_retry", "")
 
     def check_example(self, example: Mapping[str, Any]) -> None:
         name = agent_name(example)
@@ -296,28 +289,47 @@ class AgentsRunner:
         slots = self._slots.get(endpoint)
         if slots is None:
             slots = self._slots[endpoint] = trio.CapacityLimiter(self.settings.max_connections)
+
+        async def post_once() -> Response:
+            async with slots:
+                return await exchange(
+                    endpoint,
+                    "POST",
+                    "/run",
+                    body,
+                    limits=self.limits,
+                    max_response_bytes=self.settings.max_response_bytes,
+                    idle_timeout_s=self.settings.idle_timeout_s,
+                    headers=[("content-type", "application/json")],
+                    opener=self.opener,
+                )
+
+        try:
+            return await self._attempts(
+                post_once, ConnectFailed, "agent_connect_retry", f"agent {name!r}: ", agent=name
+            )
+        except (NoResponse, BodyFailed) as exc:
+            raise AgentError(f"agent {name!r} at {endpoint.authority}: {exc}") from exc
+
+    async def _attempts(
+        self,
+        call: Callable[[], Awaitable[T]],
+        retried: type[Exception],
+        event: str,
+        prefix: str,
+        **fields: Any,
+    ) -> T:
+        """``call()``, tried ``connect_attempts`` times while it raises ``retried`` (a server
+        not up yet), with a growing backoff slept outside any concurrency bound; the last
+        failure is an :class:`AgentError` counting the attempts."""
         attempts = self.settings.connect_attempts
-        for attempt in range(1, attempts + 1):
+        for attempt in range(1, attempts):
             try:
-                async with slots:
-                    return await exchange(
-                        endpoint,
-                        "POST",
-                        "/run",
-                        body,
-                        limits=self.limits,
-                        max_response_bytes=self.settings.max_response_bytes,
-                        idle_timeout_s=self.settings.idle_timeout_s,
-                        headers=[("content-type", "application/json")],
-                        opener=self.opener,
-                    )
-            except ConnectFailed as exc:
-                if attempt == attempts:
-                    raise AgentError(
-                        f"agent {name!r}: {exc} (after {attempts} attempt(s))"
-                    ) from exc
-                log_event("agent_connect_retry", agent=name, attempt=attempt, error=str(exc))
+                return await call()
+            except retried as exc:
+                log_event(event, attempt=attempt, error=str(exc), **fields)
                 await trio.sleep(self.settings.retry_backoff_s * attempt)
-            except (NoResponse, BodyFailed) as exc:
-                raise AgentError(f"agent {name!r} at {endpoint.authority}: {exc}") from exc
-        raise AssertionError("unreachable")
+        try:
+            return await call()
+        except retried as exc:
+            raise AgentError(f"{prefix}{exc} (after {attempts} attempt(s))") from exc
