@@ -4,19 +4,15 @@ reward and side effects; a second re-dispatch is refused."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
-from tests.test_cli import LogReader
+from tests.test_cli import LogReader, serve_process
 from trio_gym.host.export import read_export
 from trio_gym.runners import ExampleContext, ExampleRunner
 from trio_gym.trainer import RolloutClient, RolloutError
@@ -26,24 +22,8 @@ TOKEN = "crash-test-token"
 HANG_GUARD_S = 60
 
 
-@asynccontextmanager
-async def host_process() -> AsyncIterator[tuple[trio.Process, str]]:
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_gym", "serve", "--port", "0", "--heartbeat-interval", "0.2"],
-        stderr=subprocess.PIPE,
-        env={**os.environ, "NMP_CONTROL_TOKEN": TOKEN},
-    )
-    assert process.stderr is not None
-    logs = LogReader(process.stderr)
-    try:
-        with trio.fail_after(HANG_GUARD_S):
-            port = (await logs.wait_for("listening"))["port"]
-            await logs.wait_for("ready")
-        yield process, f"http://127.0.0.1:{port}"
-    finally:
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
+def host_process() -> AbstractAsyncContextManager[tuple[trio.Process, LogReader, int]]:
+    return serve_process("--heartbeat-interval", "0.2", env={"NMP_CONTROL_TOKEN": TOKEN})
 
 
 async def test_an_episode_exported_by_a_killed_host_finishes_once_on_another(
@@ -54,7 +34,8 @@ async def test_an_episode_exported_by_a_killed_host_finishes_once_on_another(
     export = tmp_path / "export"
     seen: list[Any] = []
 
-    async with host_process() as (host_a, url_a), trio.open_nursery() as nursery:
+    async with host_process() as (host_a, _, port_a), trio.open_nursery() as nursery:
+        url_a = f"http://127.0.0.1:{port_a}"
 
         async def run_on_a() -> None:
             try:
@@ -81,7 +62,8 @@ async def test_an_episode_exported_by_a_killed_host_finishes_once_on_another(
     )  # the side effects so far travelled with it
     assert not any(isinstance(row, dict) for row in seen)  # A never delivered a result
 
-    async with host_process() as (host_b, url_b):
+    async with host_process() as (host_b, _, port_b):
+        url_b = f"http://127.0.0.1:{port_b}"
         control_b = HostControl(url_b, TOKEN)
         client_b = RolloutClient(url_b)
         with trio.fail_after(HANG_GUARD_S):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import pickle
 import signal
-import subprocess
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,7 +16,7 @@ import trio.testing
 from tests.canned import CannedHost, chunked_response, hang_up, json_response, respond, stall
 from tests.framing_proxy import FramingProxy
 from tests.helpers import CountingRunner, running_host
-from tests.test_cli import LogReader
+from tests.test_cli import serve_process
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
 from trio_gym.trainer import ClientSettings, Origin, RolloutClient, RolloutError, decode_response
@@ -96,16 +94,8 @@ async def test_http_10_mode_round_trips() -> None:
 
 
 async def test_a_host_started_with_trio_gym_serve_round_trips() -> None:
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_gym", "serve", "--port", "0", "--heartbeat-interval", "0.1"],
-        stderr=subprocess.PIPE,
-    )
-    assert process.stderr is not None
-    logs = LogReader(process.stderr)
-    try:
+    async with serve_process("--heartbeat-interval", "0.1") as (process, _, port):
         with trio.fail_after(HANG_GUARD_S):
-            port = (await logs.wait_for("listening"))["port"]
-            await logs.wait_for("ready")
             progress = RecordingProgress()
             client = RolloutClient(
                 f"http://127.0.0.1:{port}", ClientSettings(chunk_size=4), progress=progress
@@ -113,10 +103,6 @@ async def test_a_host_started_with_trio_gym_serve_round_trips() -> None:
             results = await client.run(episodes(10, think_s=0.1))
             process.send_signal(signal.SIGTERM)
             assert await process.wait() == 0
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
     assert [r["seed"] for r in results] == list(range(10))
     assert progress.heartbeats > 0
 
