@@ -161,11 +161,19 @@ class Checkpoints:
             + (f" (checkpoint {self.checkpoint_id})" if self.checkpoint_id else ""),
         )
 
+    def _participants(self) -> list[tuple[str, str]]:
+        """This host's participants as (server name, kind): itself, and its runner's store."""
+        participant = self._participant()
+        return [HOST_PARTICIPANT, *([participant.participant] if participant else [])]
+
     # --- operations ---------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
         return {
             "phase": self.phase.value,
+            "participants": [
+                {"server_name": name, "kind": kind} for name, kind in self._participants()
+            ],
             "checkpoint_id": self.checkpoint_id,
             "admission": "open" if self.episodes.admission_open else "closed",
             "lease_expires_at": self.wall(self.lease_until) if self.lease_until else None,
@@ -351,7 +359,7 @@ class Checkpoints:
         # change the phase in between.
         export = read_export(directory)
         participant = self._participant()
-        expected = {HOST_PARTICIPANT} | ({participant.participant} if participant else set())
+        expected = set(self._participants())
         if set(export.records) != expected:
             raise invalid(
                 f"{directory}: the export's participants {_names(export.records)} are not this "

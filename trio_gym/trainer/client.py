@@ -46,6 +46,7 @@ from trio_gym.http import (
     open_tcp,
 )
 from trio_gym.logs import log_event
+from trio_gym.trainer.deadlines import DeadlineRegistry, RequestDeadline
 from trio_gym.trainer.errors import Origin, RolloutError, decode_response
 from trio_gym.trainer.stream import RowStream
 
@@ -105,7 +106,9 @@ class RolloutClient:
     """Runs batches against one host. Async, trio-only; one client may serve many tasks.
 
     ``opener`` makes the connection (default: TCP to the URL's host and port); tests pass one
-    that returns in-memory streams to an in-process host, so time can be virtual.
+    that returns in-memory streams to an in-process host, so time can be virtual. With
+    ``deadlines``, request deadlines stand still while a holder pauses them (a checkpoint
+    holding admission closed: requests then wait on it, they are not slow).
     """
 
     def __init__(
@@ -116,12 +119,14 @@ class RolloutClient:
         progress: Progress | None = None,
         limits: HttpLimits | None = None,
         opener: StreamOpener = open_tcp,
+        deadlines: DeadlineRegistry | None = None,
     ) -> None:
         self.endpoint = Endpoint.parse(url)
         self.settings = settings or ClientSettings()
         self.progress: Progress = progress or SilentProgress()
         self.limits = limits or HttpLimits()
         self.opener = opener
+        self.deadlines = deadlines
 
     async def run(self, examples: Sequence[Mapping[str, Any]]) -> list[Any]:
         """Run ``examples``; return one result per example, in input order.
@@ -205,7 +210,7 @@ class RolloutClient:
         payload = self.encode_request(examples)
         heard = _Heard(on_heartbeat)
         started = trio.current_time()
-        with trio.move_on_after(self.settings.request_deadline_s):
+        with RequestDeadline(self.deadlines, self.settings.request_deadline_s).waiting():
             try:
                 response = await exchange(
                     self.endpoint,

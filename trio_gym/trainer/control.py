@@ -42,6 +42,8 @@ class ControlError(Exception):
         return (_rebuild, (type(self), self.message, self.code, self.status))
 
     def __str__(self) -> str:
+        if not self.status:  # no reply at all: the message says what happened
+            return self.message
         return f"HTTP {self.status} {self.code}: {self.message}"
 
 

@@ -9,7 +9,9 @@ release never ends another's pause.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import trio
 
@@ -30,8 +32,11 @@ class DeadlineRegistry:
         if self._holders:
             self._freeze(scope)
 
-    def untrack(self, scope: trio.CancelScope) -> None:
-        self._scopes.pop(scope, None)
+    def untrack(self, scope: trio.CancelScope) -> float:
+        """Stop tracking ``scope``; the deadline to carry on with (a paused one counts its
+        remaining time from now)."""
+        remaining = self._scopes.pop(scope, math.nan)
+        return scope.deadline if math.isnan(remaining) else trio.current_time() + remaining
 
     def pause(self, holder: str) -> None:
         """Stop every tracked deadline (idempotent per holder)."""
@@ -55,3 +60,25 @@ class DeadlineRegistry:
     def _freeze(self, scope: trio.CancelScope) -> None:
         self._scopes[scope] = scope.deadline - trio.current_time()
         scope.deadline = math.inf
+
+
+class RequestDeadline:
+    """One request's deadline, carried across the several waits that make it up (a stream's
+    head, then each read), each of them paused with the others by ``registry``."""
+
+    def __init__(self, registry: DeadlineRegistry | None, seconds: float) -> None:
+        self._registry = registry
+        self.at = trio.current_time() + seconds
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[trio.CancelScope]:
+        """A cancel scope ending at the deadline; check ``cancelled_caught`` after it."""
+        with trio.CancelScope(deadline=self.at) as scope:
+            if self._registry is None:
+                yield scope
+                return
+            self._registry.track(scope)
+            try:
+                yield scope
+            finally:
+                self.at = self._registry.untrack(scope)

@@ -17,7 +17,8 @@ import trio
 from .ledger import AttemptState, Ledger
 
 SAMPLE: Final = 8
-SETTLED: Final = frozenset({AttemptState.SEALED, AttemptState.ABANDONED})
+SETTLED: Final = frozenset({AttemptState.SEALED, AttemptState.ABANDONED, AttemptState.RESERVED})
+"""No reply can still come: sealed, given up, or refused at admission (back to RESERVED)."""
 
 
 class DrainTimeout(Exception):
@@ -47,7 +48,7 @@ def _settled(ledger: Ledger, key: str) -> bool:
 
 
 async def drain(ledger: Ledger, keys: Iterable[str], timeout_s: float) -> None:
-    """Return once every attempt in ``keys`` is sealed, abandoned or superseded; raise
+    """Return once no attempt in ``keys`` is DISPATCHED (or each is superseded); raise
     :class:`DrainTimeout` if some are not within ``timeout_s``."""
     pending = set(keys)
     with trio.move_on_after(timeout_s):

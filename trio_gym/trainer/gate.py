@@ -28,6 +28,10 @@ class DispatchGate:
     def is_open(self) -> bool:
         return self._opened.is_set()
 
+    @property
+    def admissions_under_way(self) -> int:
+        return self._inside
+
     @contextlib.asynccontextmanager
     async def admission(self) -> AsyncIterator[None]:
         """Wait while the gate is closed; then submit inside the block."""

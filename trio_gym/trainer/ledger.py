@@ -9,7 +9,9 @@ has a list of *attempts*, the last of which is current. An attempt lives through
     RESERVED | DISPATCHED --abandon--> ABANDONED   (a retry appends a fresh RESERVED attempt)
 
 and knows its rollout id, attempt number, host and capture key (the rollout id, ``-a<N>``
-appended for N > 0 — the host's name for the episode).
+appended for N > 0 — the host's name for the episode). Rollout ids are
+``{group}.{sibling}[@{incarnation}][.g{n}]``: the trainer process's incarnation, and the
+sibling's generation after a loss.
 
 Every change happens inside one *barrier mutation* (``async with ledger.mutation():``): a lock,
 a mutation counter and a condition. A checkpoint that holds the lock sees a consistent cut; a
@@ -102,7 +104,12 @@ MOVES: Final[dict[AttemptState, frozenset[AttemptState]]] = {
 class Ledger:
     """Groups, siblings and attempts, changed only inside :meth:`mutation`."""
 
-    def __init__(self) -> None:
+    def __init__(self, incarnation: str = "") -> None:
+        self.incarnation = incarnation
+        """Part of every rollout id this ledger mints (not persisted): a trainer process that
+        starts or restores takes a fresh one, so its new work can never collide with an earlier
+        process's work that a host may still hold (dispatched after that process's last
+        checkpoint). Restored attempts keep their own ids."""
         self._groups: dict[str, Group] = {}
         self._by_key: dict[str, tuple[Sibling, Attempt]] = {}
         self._changed = trio.Condition()
@@ -160,7 +167,8 @@ class Ledger:
         siblings = []
         for index, host in enumerate(hosts):
             sibling = Sibling(group_id, index, [])
-            self._append(sibling, Attempt(_rollout_id(group_id, index, 0), 0, host))
+            rollout_id = self._rollout_id(group_id, index, 0)
+            self._append(sibling, Attempt(rollout_id, 0, host))
             siblings.append(sibling)
         group = Group(group_id, siblings)
         self._groups[group_id] = group
@@ -178,6 +186,15 @@ class Ledger:
         attempt.state = to
         return attempt
 
+    def dispatch(self, key: str, host: str) -> Attempt:
+        """Mark the current attempt ``key`` DISPATCHED to ``host`` — inside the gate's
+        admission, as it is submitted. An attempt runs only on its own host: a restored one
+        continues where its episode was exported, and sending it elsewhere is refused."""
+        attempt = self.attempt(key)
+        if attempt.host != host:
+            raise LedgerError(f"{key} belongs to host {attempt.host!r}, not {host!r}")
+        return self.move(key, AttemptState.DISPATCHED)
+
     def retry(self, key: str, *, host: str | None = None) -> Attempt:
         """After ``key`` was abandoned: a fresh RESERVED attempt 0 under a new rollout id (the
         host may still run the old one until it is retired)."""
@@ -186,7 +203,7 @@ class Ledger:
         if attempt.state is not AttemptState.ABANDONED or sibling.current is not attempt:
             raise LedgerError(f"{key}: only the current, abandoned attempt is retried")
         fresh = Attempt(
-            _rollout_id(sibling.group_id, sibling.index, sibling.generation + 1),
+            self._rollout_id(sibling.group_id, sibling.index, sibling.generation + 1),
             0,
             host or attempt.host,
         )
@@ -199,6 +216,10 @@ class Ledger:
         if sibling.current is not attempt:
             raise LedgerError(f"{key} is not its sibling's current attempt")
         return self._append(sibling, Attempt(attempt.rollout_id, attempt.number + 1, attempt.host))
+
+    def _rollout_id(self, group_id: str, index: int, generation: int) -> str:
+        base = f"{group_id}.{index}" + (f"@{self.incarnation}" if self.incarnation else "")
+        return base if generation == 0 else f"{base}.g{generation}"
 
     def _append(self, sibling: Sibling, attempt: Attempt) -> Attempt:
         if attempt.capture_key in self._by_key:
@@ -236,14 +257,15 @@ class Ledger:
         ).model_dump()
 
     @classmethod
-    def from_json(cls, document: object) -> Ledger:
-        """A ledger from :meth:`to_json`'s output; ``LedgerError`` saying what is wrong."""
+    def from_json(cls, document: object, *, incarnation: str = "") -> Ledger:
+        """A ledger from :meth:`to_json`'s output, minting new ids under ``incarnation``;
+        ``LedgerError`` saying what is wrong."""
         try:
             loaded = _LedgerFile.model_validate(document)
         except ValidationError as exc:
             problems = describe_validation_error(exc)
             raise LedgerError(f"the ledger cannot be loaded: {problems}") from exc
-        ledger = cls()
+        ledger = cls(incarnation)
         for group in loaded.groups:
             if group.group_id in ledger._groups:
                 raise LedgerError(f"the ledger lists group {group.group_id!r} twice")
@@ -259,10 +281,6 @@ class Ledger:
                 siblings.append(sibling)
             ledger._groups[group.group_id] = Group(group.group_id, siblings)
         return ledger
-
-
-def _rollout_id(group_id: str, index: int, generation: int) -> str:
-    return f"{group_id}.{index}" if generation == 0 else f"{group_id}.{index}.g{generation}"
 
 
 class _Strict(BaseModel):

@@ -43,7 +43,8 @@ class Participant(ManifestParticipant):
 
 class HostExport(_Strict):
     instance: str = Field(min_length=1)
-    """The host's URL: restored episodes go back to it and nowhere else."""
+    """The host's name in the trainer (its dispatcher's host name): restored episodes go back
+    to it and nowhere else."""
     directory: str = Field(min_length=1)
     """Where the host exported (its manifest and participants live under it)."""
     episodes: list[str]
@@ -55,6 +56,8 @@ class CheckpointManifest(_Strict):
     format: Literal["trio-gym-trainer-checkpoint-v1"]
     checkpoint_id: str = Field(min_length=1)
     ledger: dict[str, Any]
+    trainer_state: dict[str, Any] = Field(default_factory=dict)
+    """The trainer's own state in the same cut (what it consumed), saved with the ledger."""
     hosts: list[HostExport]
 
 

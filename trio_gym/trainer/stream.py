@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import attrs
 import h11
-import trio
 
 from trio_gym.http import BodyFailed, ClientExchange, NoResponse
+from trio_gym.trainer.deadlines import RequestDeadline
 from trio_gym.trainer.errors import Origin, RolloutError, decode_response
 
 if TYPE_CHECKING:
@@ -69,11 +69,16 @@ class RowStream:
         self._head: h11.Response | None = None
         self._buffer = bytearray()
         self._searched = 0
-        self._deadline = 0.0
+        self._deadline: RequestDeadline | None = None
         self._finished = False
         self.seen: set[int] = set()
         self.heartbeats = 0
         self.summary: StreamSummary | None = None
+
+    @property
+    def answered(self) -> bool:
+        """Whether the host answered the request (its head arrived): it has the batch."""
+        return self._head is not None
 
     @property
     def missing(self) -> list[int]:
@@ -83,7 +88,7 @@ class RowStream:
     async def __aenter__(self) -> RowStream:
         started = False
         try:
-            await self._start()
+            await self.start()
             started = True
         finally:
             if not started:
@@ -107,7 +112,7 @@ class RowStream:
         row: Row | None = None
         try:
             if self._exchange is None:
-                await self._start()
+                await self.start()
             row = await self._next_row()
         finally:
             if row is None:  # exhausted, failed or cancelled: the connection is done with
@@ -120,11 +125,13 @@ class RowStream:
         if self._exchange is not None:
             await self._exchange.conn.aclose()
 
-    async def _start(self) -> None:
+    async def start(self) -> None:
+        """Send the request and wait for the answer's head (``async with`` calls it; a
+        dispatcher calls it inside its gate admission, to know the host has the batch)."""
         client = self._client
-        self._deadline = trio.current_time() + client.settings.request_deadline_s
+        self._deadline = RequestDeadline(client.deadlines, client.settings.request_deadline_s)
         payload = client.encode_request(self._examples)
-        with trio.move_on_at(self._deadline):
+        with self._deadline.waiting():
             try:
                 self._exchange = await ClientExchange.open(
                     client.endpoint, client.limits, opener=client.opener
@@ -189,9 +196,9 @@ class RowStream:
             return self._parse(line)
 
     async def _read_more(self) -> None:
-        assert self._exchange is not None and self._head is not None
+        assert self._exchange is not None and self._head is not None and self._deadline
         settings = self._client.settings
-        with trio.move_on_at(self._deadline):
+        with self._deadline.waiting():
             try:
                 data = await self._exchange.next_data(
                     self._head, idle_timeout_s=settings.idle_timeout_s

@@ -1,0 +1,233 @@
+"""The checkpoint coordinator and restore, on a virtual clock with in-process hosts."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+
+from tests.fleet import TOKEN, calendar, fleet, uninterrupted, wall
+from trio_gym.trainer.control import ControlTimeout, HostControl
+from trio_gym.trainer.coordinator import (
+    CheckpointAborted,
+    CheckpointSettings,
+    CheckpointUnavailable,
+    RestoreFailed,
+    RestoreRefused,
+)
+from trio_gym.trainer.ledger import AttemptState
+from trio_gym.trainer.manifest import MANIFEST_NAME, load_manifest
+
+GROUPS = {
+    "long": [calendar(1, think_s=5.0), calendar(2, think_s=5.0)],
+    "short": [calendar(3, think_s=1.0, meetings=1), calendar(4, think_s=1.0, meetings=1)],
+    "mixed": [calendar(5, think_s=4.0), calendar(6, think_s=0.5, meetings=2)],
+}
+
+
+async def run_all(f: Any, groups: dict[str, list[dict[str, Any]]]) -> None:
+    async with trio.open_nursery() as nursery:
+        for group_id, examples in groups.items():
+            nursery.start_soon(f.dispatcher.run_group, group_id, examples)
+
+
+async def checkpoint_mid_flight(tmp_path: Path, at: float = 7.0) -> tuple[Any, list[Any]]:
+    """Run GROUPS on hosts a and b, checkpoint at ``at`` s; the manifest and all consumed."""
+    async with fleet() as f, trio.open_nursery() as nursery:
+        nursery.start_soon(run_all, f, GROUPS)
+        await trio.sleep(at)
+        manifest = await f.coordinator.checkpoint(tmp_path / "c1")
+        assert f.dispatcher.gate.is_open and not f.dispatcher.deadlines.holders
+        assert all(h.checkpoints.status()["phase"] == "idle" for h in f.hosts.values())
+    return manifest, f.consumed
+
+
+def keyed(consumed: list[Any]) -> Counter[tuple[str, int]]:
+    return Counter((r["group_id"], r["sibling"]) for r in consumed)
+
+
+async def test_a_checkpoint_exports_parked_episodes_drains_the_rest_and_resumes(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    manifest, consumed = await checkpoint_mid_flight(tmp_path)
+    assert load_manifest(tmp_path / "c1") == manifest
+    exported = {key: host.instance for host in manifest.hosts for key in host.episodes}
+    assert len(exported) == 3  # long.0, long.1 and mixed.0 were mid-episode
+    # The cut: what was consumed then is saved with the ledger that says it was sealed.
+    saved = manifest.trainer_state["consumed"]
+    assert {(r["group_id"], r["sibling"]) for r in saved} == {
+        ("short", 0),
+        ("short", 1),
+        ("mixed", 1),
+    }
+    sealed_then = {
+        (g["group_id"], s["index"])
+        for g in manifest.ledger["groups"]
+        for s in g["siblings"]
+        if s["attempts"][-1]["state"] == "sealed"
+    }
+    assert sealed_then == {(r["group_id"], r["sibling"]) for r in saved}
+    for host in manifest.hosts:
+        assert {(p.server_name, p.kind) for p in host.participants} == {
+            ("host", "episodes"),
+            ("calendar", "side_effect_store"),
+        }
+    # After resume every episode finished, and each was consumed exactly once.
+    assert len(consumed) == 6 and len({(r.group_id, r.sibling) for r in consumed}) == 6
+    for sealed in consumed:
+        expected = await uninterrupted(GROUPS[sealed.group_id][sealed.sibling])
+        assert sealed.result["booked"] == expected["booked"]
+
+
+async def test_restore_dispatches_each_exported_episode_once_as_the_next_attempt_on_its_host(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    manifest, _ = await checkpoint_mid_flight(tmp_path)
+    exported = {key: host.instance for host in manifest.hosts for key in host.episodes}
+    async with fleet() as f:  # the trainer restarts; the hosts are new processes
+        restored = await f.coordinator.restore(tmp_path / "c1")
+        assert sorted(restored.restored) == sorted(f"{key}-a1" for key in exported)
+        assert sorted(restored.groups) == ["long", "mixed"]
+        await run_all(f, {g: GROUPS[g] for g in restored.groups})
+    everything = restored.trainer_state["consumed"] + [
+        {"group_id": r.group_id, "sibling": r.sibling} for r in f.consumed
+    ]
+    assert keyed(everything) == Counter({(g, i): 1 for g in GROUPS for i in range(2)})
+    for sealed in f.consumed:
+        key = sealed.rollout_id
+        assert sealed.attempt == 1 and exported[key] == sealed.host  # attempt + 1, same host
+        assert sealed.result["_ng_attempt_index"] == 1
+        expected = await uninterrupted(GROUPS[sealed.group_id][sealed.sibling])
+        assert sealed.result["booked"] == expected["booked"]  # side effects exactly once
+        assert sealed.result["reward"] == expected["reward"]
+    assert sum(len(r.started) for r in f.runners.values()) == len(exported)
+
+
+async def test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    await checkpoint_mid_flight(tmp_path)
+    async with fleet(("a", "c")) as f:
+        with pytest.raises(RestoreRefused, match=r"taken with hosts \['a', 'b'\]"):
+            await f.coordinator.restore(tmp_path / "c1")
+        assert all(h.checkpoints.status()["counts"]["restored"] == 0 for h in f.hosts.values())
+        assert not f.dispatcher.ledger.groups
+
+
+async def test_a_tampered_export_is_refused_before_any_host_changes(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    manifest, _ = await checkpoint_mid_flight(tmp_path)
+    host = manifest.hosts[0]
+    calendar_part = next(p for p in host.participants if p.kind == "side_effect_store")
+    records = Path(host.directory, "participants", calendar_part.kind, calendar_part.server_name)
+    (records / calendar_part.records_file).write_text('{"capture_key": "forged"}\n')
+    async with fleet() as f:
+        with pytest.raises(RestoreRefused, match="SHA-256"):
+            await f.coordinator.restore(tmp_path / "c1")
+        assert all(h.checkpoints.status()["counts"]["restored"] == 0 for h in f.hosts.values())
+
+
+async def test_an_export_swapped_for_another_commit_is_refused(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    manifest, _ = await checkpoint_mid_flight(tmp_path)
+    document = json.loads((tmp_path / "c1" / MANIFEST_NAME).read_text())
+    document["hosts"][0]["participants"][0]["sha256"] = "0" * 64  # not what is on disk
+    (tmp_path / "c1" / MANIFEST_NAME).write_text(json.dumps(document))
+    async with fleet() as f:
+        with pytest.raises(RestoreRefused, match="is not the one committed"):
+            await f.coordinator.restore(tmp_path / "c1")
+        assert all(h.checkpoints.status()["counts"]["restored"] == 0 for h in f.hosts.values())
+
+
+class DiesDuringRestore(HostControl):
+    async def restore(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        raise ControlTimeout("restore: no reply (the host died)", code="timeout", status=0)
+
+
+async def test_a_failed_restore_on_one_host_is_undone_on_every_host(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    await checkpoint_mid_flight(tmp_path)
+    async with fleet() as f:
+        b = f.dispatcher.hosts["b"]
+        dying = DiesDuringRestore(
+            "http://b.invalid:8080", TOKEN, opener=b.control._opener, wall_time=wall
+        )
+        f.dispatcher.hosts["b"] = attrs.evolve(b, control=dying)
+        with pytest.raises(RestoreFailed, match="b: restore: no reply") as failed:
+            await f.coordinator.restore(tmp_path / "c1")
+        statuses = {name: h.checkpoints.status() for name, h in f.hosts.items()}
+        assert not f.dispatcher.ledger.groups  # the trainer took nothing in
+    assert "every host retired what it restored and resumed" in str(failed.value)
+    for status in statuses.values():
+        assert (status["phase"], status["admission"]) == ("idle", "open")
+        assert status["counts"]["restored"] == 0
+    assert statuses["a"]["counts"]["retired"] >= 1  # a had restored its episodes: retired
+
+
+async def test_an_episode_the_trainer_never_dispatched_aborts_the_checkpoint(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    async with fleet() as f:
+        stranger = f.dispatcher.hosts["a"].client.stream(
+            [{**calendar(9, think_s=5), "_ng_rollout_id": "not-ours"}]
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_all, f, {"long": GROUPS["long"]})
+
+            async def outsider() -> None:
+                async with stranger as rows:
+                    async for _ in rows:
+                        pass
+
+            nursery.start_soon(outsider)
+            await trio.sleep(7)
+            with pytest.raises(CheckpointAborted, match="not-ours, which this trainer never"):
+                await f.coordinator.checkpoint(tmp_path / "c1")
+            assert f.dispatcher.gate.is_open
+            assert all(h.checkpoints.status()["phase"] == "idle" for h in f.hosts.values())
+    assert not (tmp_path / "c1" / MANIFEST_NAME).exists()
+    assert len(f.consumed) == 2  # the trainer's own work went on
+
+
+async def test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_aborted(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    settings = CheckpointSettings(prepare_timeout_s=20, max_consecutive_failures=2)
+    async with fleet(checkpoint=settings) as f, trio.open_nursery() as nursery:
+        nursery.start_soon(run_all, f, {"slow": [calendar(1, think_s=1000)]})
+        await trio.sleep(5)
+        with pytest.raises(CheckpointUnavailable, match="could not park") as first:
+            await f.coordinator.checkpoint(tmp_path / "c1")
+        assert all(h.checkpoints.status()["phase"] == "idle" for h in f.hosts.values())
+        assert f.dispatcher.gate.is_open and not f.dispatcher.deadlines.holders
+        with pytest.raises(CheckpointAborted, match="2 unavailable in a row"):
+            await f.coordinator.checkpoint(tmp_path / "c2")
+        nursery.cancel_scope.cancel()
+    again = pickle.loads(pickle.dumps(first.value))
+    assert type(again) is CheckpointUnavailable and str(again) == str(first.value)
+    assert again.checkpoint_id == first.value.checkpoint_id
+
+
+async def test_an_unavailable_checkpoint_is_retried_and_the_count_resets(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    settings = CheckpointSettings(prepare_timeout_s=20, max_consecutive_failures=2)
+    async with fleet(checkpoint=settings) as f, trio.open_nursery() as nursery:
+        nursery.start_soon(run_all, f, {"slow": [calendar(1, think_s=30, meetings=2)]})
+        await trio.sleep(5)
+        with pytest.raises(CheckpointUnavailable):
+            await f.coordinator.checkpoint(tmp_path / "c1")  # in a 30 s step until 30
+        await trio.sleep(2)  # the next opportunity: parks at the boundary at 60
+        manifest = await f.coordinator.checkpoint(tmp_path / "c2")
+        assert f.coordinator.consecutive_failures == 0
+    assert [host.episodes for host in manifest.hosts if host.episodes]
+    assert f.dispatcher.ledger.groups["slow"].siblings[0].current.state is AttemptState.SEALED

@@ -1,0 +1,363 @@
+"""Checkpoint-aware dispatch: each group's attempts sent to their hosts over row streams.
+
+A group (one prompt) has one sibling per generation; :meth:`Dispatcher.run_group` sends every
+sibling's current attempt to its host — one per-row NDJSON request per host, so an episode
+parked by a checkpoint never holds back its siblings' rows and a refused row names itself — and
+returns when every sibling is sealed. What happens to each row:
+
+==========================================  =============================================
+a result (or an example's own error row)    SEALED, handed to ``on_result`` in the same
+                                            mutation (consumed exactly once)
+``admission_closed`` (a checkpoint)          back to RESERVED with its identity; re-sent once
+                                            admission reopens; spends no budget; counted in
+                                            :attr:`Dispatcher.admission_closed_rows_total`
+the request never reached the host          back to RESERVED with its identity; re-sent
+                                            after a backoff, at most ``max_unreached`` times
+no row (the stream was cut)                 ABANDONED, retired on its host at once (under
+                                            dispatch admission), re-sent as a fresh attempt
+                                            under a new rollout id, at most ``max_losses``
+==========================================  =============================================
+
+The gate rule: an attempt is marked DISPATCHED inside the gate's admission, in the same
+mutation that precedes its submission, and the admission lasts until the host has answered the
+request's head (it holds the batch). A checkpoint closing the gate therefore waits for those
+submissions and counts exactly the attempts its hosts really have; an attempt waiting at the
+closed gate is still RESERVED and is not counted.
+
+A group whose ``run_group`` is cancelled (the trainer dropped it) has its unsealed attempts
+abandoned; those its hosts may still run are remembered and retired by the next checkpoint
+with dispatch closed, before it prepares.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import attrs
+import trio
+
+from trio_gym.logs import log_event
+from trio_gym.trainer.client import ClientSettings, RolloutClient
+from trio_gym.trainer.control import ControlError, HostControl
+from trio_gym.trainer.deadlines import DeadlineRegistry
+from trio_gym.trainer.errors import RolloutError
+from trio_gym.trainer.gate import DispatchGate
+from trio_gym.trainer.ledger import Attempt, AttemptState, Ledger
+from trio_gym.trainer.stream import Row, RowError
+
+ADMISSION_CLOSED: Final = "admission_closed"
+UNREACHED_STATUSES: Final = frozenset({409, 429, 503})
+"""A refused request the host did not run and may take later (busy, stopping, closed)."""
+DROP_GRACE_S: Final = 5.0
+"""How long a cancelled group may wait for the ledger to record that it was dropped."""
+
+
+@attrs.frozen
+class Host:
+    """One host instance: its name in the ledger and manifests, and how to reach it."""
+
+    name: str
+    client: RolloutClient
+    control: HostControl
+
+    @classmethod
+    def connect(
+        cls,
+        name: str,
+        url: str,
+        token: str,
+        *,
+        settings: ClientSettings | None = None,
+        deadlines: DeadlineRegistry | None = None,
+    ) -> Host:
+        return cls(name, RolloutClient(url, settings, deadlines=deadlines), HostControl(url, token))
+
+
+@attrs.frozen
+class SealedResult:
+    """One episode's outcome, consumed once: ``result``, or ``error`` if the episode failed."""
+
+    group_id: str
+    sibling: int
+    rollout_id: str
+    attempt: int
+    host: str
+    result: Any
+    error: RowError | None
+
+
+class GroupFailed(Exception):
+    """A group that cannot finish: a sibling lost too often, or refused for good."""
+
+
+@attrs.frozen
+class DispatchSettings:
+    max_losses: int = 3
+    """Attempts a sibling may lose (its row never came) before its group fails."""
+    max_unreached: int = 5
+    """Times one attempt's request may fail to reach its host before its group fails."""
+    max_admission_refusals: int = 1000
+    """Re-sends after ``admission_closed`` for one attempt: a bound so that a host whose
+    admission never reopens ends the group instead of livelocking it."""
+    admission_retry_s: float = 1.0
+    """The pause before re-sending a refused row while this trainer's own gate is open (the
+    host's admission was closed by something else)."""
+    unreached_backoff_s: float = 1.0
+    retire_timeout_s: float = 30.0
+
+
+class Dispatcher:
+    """Runs groups against named hosts; shares its ledger, gate and deadlines with a
+    :class:`~trio_gym.trainer.coordinator.CheckpointCoordinator`."""
+
+    def __init__(
+        self,
+        hosts: Sequence[Host],
+        on_result: Callable[[SealedResult], None],
+        *,
+        ledger: Ledger | None = None,
+        settings: DispatchSettings | None = None,
+        deadlines: DeadlineRegistry | None = None,
+    ) -> None:
+        if not hosts or len({host.name for host in hosts}) != len(hosts):
+            raise ValueError("a dispatcher needs at least one host, each with its own name")
+        self.hosts: dict[str, Host] = {host.name: host for host in hosts}
+        self.ledger = ledger or Ledger(incarnation=uuid.uuid4().hex[:8])
+        self.gate = DispatchGate()
+        self.deadlines = deadlines or DeadlineRegistry()
+        self.settings = settings or DispatchSettings()
+        self.on_result = on_result
+        self.admission_closed_rows_total = 0
+        self.to_retire: dict[str, set[tuple[str, int]]] = defaultdict(set)
+        """Host -> (rollout id, attempt) it may still run although the ledger gave them up."""
+        self._next_host = 0
+
+    # --- groups -----------------------------------------------------------------------------
+
+    async def run_group(self, group_id: str, examples: Sequence[Mapping[str, Any]]) -> None:
+        """Run one group to the end: ``examples[i]`` is sibling ``i``'s payload (kept in memory
+        only). A group already in the ledger (after a restore) continues: sealed siblings are
+        not sent again, restored ones go to their own host as the next attempt."""
+        async with self.ledger.mutation() as ledger:
+            group = ledger.groups.get(group_id)
+            if group is None:
+                group = ledger.add_group(group_id, self._assign(len(examples)))
+            elif len(group.siblings) != len(examples):
+                raise ValueError(
+                    f"group {group_id!r} has {len(group.siblings)} siblings in the ledger; "
+                    f"{len(examples)} payloads were given"
+                )
+        budget = _Budget()
+        hosts = sorted({sibling.current.host for sibling in group.siblings})
+        try:
+            await self._on_each_host(group_id, hosts, examples, budget)
+        except BaseException:
+            with trio.CancelScope(shield=True) as scope:
+                scope.deadline = trio.current_time() + DROP_GRACE_S
+                await self._drop(group_id)
+            raise
+
+    async def _on_each_host(
+        self,
+        group_id: str,
+        hosts: list[str],
+        examples: Sequence[Mapping[str, Any]],
+        budget: _Budget,
+    ) -> None:
+        """Each host's siblings in their own loop (a re-send to one host never waits for
+        another host's stream); a :class:`GroupFailed` surfaces as itself."""
+
+        async def host_loop(host: str) -> None:
+            while attempts := await self._waiting(group_id, host):
+                await self._send(host, attempts, examples, budget)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for host in hosts:
+                    nursery.start_soon(host_loop, host)
+        except ExceptionGroup as group:
+            failed, others = group.split(GroupFailed)
+            if failed is not None and others is None:
+                raise failed.exceptions[0] from group
+            raise
+
+    def _assign(self, siblings: int) -> list[str]:
+        names = list(self.hosts)
+        start, self._next_host = self._next_host, self._next_host + siblings
+        return [names[(start + index) % len(names)] for index in range(siblings)]
+
+    async def _waiting(self, group_id: str, host: str) -> list[Attempt]:
+        """The group's attempts to send to ``host`` now; abandoned siblings get a fresh
+        attempt (or fail the group when they have lost too often)."""
+        async with self.ledger.mutation() as ledger:
+            waiting: list[Attempt] = []
+            for sibling in ledger.groups[group_id].siblings:
+                attempt = sibling.current
+                if attempt.host != host:
+                    continue
+                if attempt.state is AttemptState.ABANDONED:
+                    losses = sum(a.state is AttemptState.ABANDONED for a in sibling.attempts)
+                    if losses >= self.settings.max_losses:
+                        raise GroupFailed(
+                            f"group {group_id!r}: sibling {sibling.index} lost its row "
+                            f"{losses} times (max_losses={self.settings.max_losses}); the last "
+                            f"attempt was {attempt.capture_key} on {attempt.host}"
+                        )
+                    attempt = ledger.retry(attempt.capture_key)
+                if attempt.state is AttemptState.RESERVED:
+                    waiting.append(attempt)
+            return waiting
+
+    async def _drop(self, group_id: str) -> None:
+        """The group was given up: its unsealed attempts are abandoned, and those a host may
+        still run are queued for the next checkpoint to retire."""
+        async with self.ledger.mutation() as ledger:
+            for sibling in ledger.groups[group_id].siblings:
+                attempt = sibling.current
+                if attempt.state is AttemptState.DISPATCHED:
+                    self.to_retire[attempt.host].add((attempt.rollout_id, attempt.number))
+                if attempt.state in (AttemptState.RESERVED, AttemptState.DISPATCHED):
+                    ledger.move(attempt.capture_key, AttemptState.ABANDONED)
+        log_event("group_dropped", group=group_id)
+
+    # --- one request ------------------------------------------------------------------------
+
+    async def _send(
+        self,
+        host: str,
+        attempts: list[Attempt],
+        examples: Sequence[Mapping[str, Any]],
+        budget: _Budget,
+    ) -> None:
+        keys = [attempt.capture_key for attempt in attempts]
+        payload = [
+            {
+                **examples[self.ledger.sibling_of(key).index],
+                "_ng_rollout_id": attempt.rollout_id,
+                "_ng_attempt_index": attempt.number,
+            }
+            for key, attempt in zip(keys, attempts, strict=True)
+        ]
+        rows = self.hosts[host].client.stream(payload)
+        try:
+            async with self.gate.admission():
+                async with self.ledger.mutation() as ledger:
+                    for key in keys:
+                        ledger.dispatch(key, host)
+                try:
+                    await rows.start()
+                except RolloutError as error:
+                    await self._unreached(keys, error, budget)
+                    unreached = True
+                else:
+                    unreached = False
+            if unreached:
+                await trio.sleep(self.settings.unreached_backoff_s)
+                return
+            try:
+                async for row in rows:
+                    await self._settle(keys[row.index], row, budget)
+            except RolloutError as error:
+                log_event("stream_cut", host=host, error=str(error), missing=len(rows.missing))
+            await self._lose(host, [keys[index] for index in rows.missing])
+        finally:
+            await rows.aclose()
+        refused = any(self.ledger.attempt(key).state is AttemptState.RESERVED for key in keys)
+        if refused and self.gate.is_open:
+            # The host's admission was closed by something other than this trainer's gate
+            # (which would hold the re-send until it opens): wait as its Retry-After asks.
+            await trio.sleep(self.settings.admission_retry_s)
+
+    async def _settle(self, key: str, row: Row, budget: _Budget) -> None:
+        async with self.ledger.mutation() as ledger:
+            if row.error is not None and row.error.code == ADMISSION_CLOSED:
+                ledger.move(key, AttemptState.RESERVED)  # same identity, nothing spent
+                self.admission_closed_rows_total += 1
+                budget.refused(key, self.settings.max_admission_refusals)
+                return
+            attempt = ledger.move(key, AttemptState.SEALED)
+            sibling = ledger.sibling_of(key)
+            self.on_result(
+                SealedResult(
+                    sibling.group_id,
+                    sibling.index,
+                    attempt.rollout_id,
+                    attempt.number,
+                    attempt.host,
+                    row.result,
+                    row.error,
+                )
+            )
+
+    async def _unreached(self, keys: list[str], error: RolloutError, budget: _Budget) -> None:
+        """The request never reached its host's episodes: they keep their identity."""
+        if not (error.retryable or error.status in UNREACHED_STATUSES):
+            raise GroupFailed(f"the host refused the request: {error}") from error
+        async with self.ledger.mutation() as ledger:
+            for key in keys:
+                ledger.move(key, AttemptState.RESERVED)
+                budget.unreached(key, self.settings.max_unreached, error)
+        log_event("request_unreached", keys=len(keys), error=str(error))
+
+    async def _lose(self, host: str, keys: list[str]) -> None:
+        """Rows that never came: abandon them and retire them on the host at once (it may
+        still run them); a retire that fails is left for the next checkpoint."""
+        if not keys:
+            return
+        async with self.ledger.mutation() as ledger:
+            for key in keys:
+                attempt = ledger.move(key, AttemptState.ABANDONED)
+                self.to_retire[host].add((attempt.rollout_id, attempt.number))
+        async with self.gate.admission():
+            try:
+                await self.retire_queued(host)
+            except ControlError as error:
+                log_event("retire_deferred", host=host, error=str(error))
+
+    async def _pause_before_resend(self) -> None:
+        """Re-send refused rows once admission reopens: at once if this trainer's gate was what
+        held them (it opens after the checkpoint), after ``admission_retry_s`` otherwise."""
+        if self.gate.is_open:
+            await trio.sleep(self.settings.admission_retry_s)
+
+    # --- retiring ---------------------------------------------------------------------------
+
+    async def retire_queued(self, host: str) -> None:
+        """Retire what ``host`` may still run of attempts the ledger gave up; those retired
+        are forgotten here, the rest stay queued. Raises :class:`ControlError`."""
+        queued = sorted(self.to_retire.get(host, ()))
+        if not queued:
+            return
+        control = self.hosts[host].control
+        await control.retire(
+            f"retire-{uuid.uuid4().hex[:16]}", queued, timeout_s=self.settings.retire_timeout_s
+        )
+        self.to_retire[host].difference_update(queued)
+        log_event("attempts_retired", host=host, count=len(queued))
+
+
+@attrs.define
+class _Budget:
+    """One group's re-sends that spend no attempt, each bounded per attempt."""
+
+    admission_refusals: dict[str, int] = attrs.field(factory=lambda: defaultdict(int))
+    unreached_sends: dict[str, int] = attrs.field(factory=lambda: defaultdict(int))
+
+    def refused(self, key: str, limit: int) -> None:
+        self.admission_refusals[key] += 1
+        if self.admission_refusals[key] > limit:
+            raise GroupFailed(
+                f"{key} was refused admission_closed {self.admission_refusals[key]} times "
+                f"(max_admission_refusals={limit}): its host's admission never reopened"
+            )
+
+    def unreached(self, key: str, limit: int, error: RolloutError) -> None:
+        self.unreached_sends[key] += 1
+        if self.unreached_sends[key] > limit:
+            raise GroupFailed(
+                f"{key} could not reach its host in {self.unreached_sends[key]} sends "
+                f"(max_unreached={limit}): {error}"
+            ) from error
