@@ -18,8 +18,7 @@ from trio_gym.trainer.client import ClientSettings, RolloutClient
 from trio_gym.trainer.control import HostControl
 from trio_gym.trainer.coordinator import CheckpointCoordinator, CheckpointSettings
 from trio_gym.trainer.deadlines import DeadlineRegistry
-from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, SealedResult
-from trio_gym.trainer.dispatch import Host as HostHandle
+from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, RemoteHost, SealedResult
 
 EPOCH = 1_800_000_000.0
 TOKEN = "fleet-token"
@@ -104,7 +103,7 @@ async def fleet(
             url = f"http://{name}.invalid:8080"
             settings = client or ClientSettings(request_deadline_s=10**7)
             handles.append(
-                HostHandle(
+                RemoteHost(
                     name,
                     RolloutClient(url, settings, opener=opener, deadlines=deadlines),
                     HostControl(url, TOKEN, opener=_opener(nursery, host, []), wall_time=wall),

@@ -4,18 +4,14 @@ from __future__ import annotations
 
 import signal
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 import trio
 
 from tests.fleet import calendar, uninterrupted
-from tests.stalling_proxy import StallingProxy
-from tests.test_cli import serve_process
+from tests.live import TOKEN, LiveHost, live_hosts
 from trio_gym.trainer import ClientSettings, RolloutClient
 from trio_gym.trainer.control import HostControl
 from trio_gym.trainer.coordinator import (
@@ -25,52 +21,11 @@ from trio_gym.trainer.coordinator import (
     RestoreRefused,
 )
 from trio_gym.trainer.deadlines import DeadlineRegistry
-from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, Host, SealedResult
+from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, RemoteHost, SealedResult
 
-TOKEN = "coordinator-test-token"
-HANG_GUARD_S = 60
 GRACE_S = 0.5
 SCRIPTED = "tests.helpers:ScriptedRunner"
-
-
-@attrs.define
-class LiveHost:
-    name: str
-    process: trio.Process
-    port: int
-    proxy: StallingProxy
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def control(self) -> HostControl:
-        return HostControl(self.url, TOKEN)
-
-
-@asynccontextmanager
-async def live_hosts(**runners: str) -> AsyncIterator[dict[str, LiveHost]]:
-    """One ``trio-gym serve`` per name (``runner`` flag value per name), each behind a proxy."""
-    async with AsyncExitStack() as stack:
-        started = {}
-        for name, runner in runners.items():
-            process, _, port = await stack.enter_async_context(
-                serve_process(
-                    "--heartbeat-interval",
-                    "0.2",
-                    "--runner",
-                    runner,
-                    env={"NMP_CONTROL_TOKEN": TOKEN},
-                )
-            )
-            started[name] = (process, port)
-        async with trio.open_nursery() as proxies:  # inside: the hosts outlive their proxies
-            hosts = {}
-            for name, (process, port) in started.items():
-                proxy = StallingProxy(port)
-                hosts[name] = LiveHost(name, process, await proxies.start(proxy.serve), proxy)
-            yield hosts
-            proxies.cancel_scope.cancel()
+HANG_GUARD_S = 60
 
 
 def trainer(
@@ -81,7 +36,7 @@ def trainer(
 ) -> CheckpointCoordinator:
     deadlines = DeadlineRegistry()
     handles = [
-        Host(
+        RemoteHost(
             name,
             RolloutClient(host.url, ClientSettings(request_deadline_s=120), deadlines=deadlines),
             HostControl(host.url, TOKEN, reply_grace_s=GRACE_S),

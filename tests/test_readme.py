@@ -98,3 +98,33 @@ async def test_the_row_stream_program_runs_against_a_live_host(tmp_path: Path) -
 def test_the_checkpoint_example_compiles() -> None:
     block = next(b for b in code_blocks("python") if "HostControl(" in b)
     compile(block, "README.md", "exec")
+
+
+async def test_the_checkpointing_program_checkpoints_then_restores_against_a_live_host(
+    tmp_path: Path,
+) -> None:
+    import json
+    import sys
+
+    import trio
+
+    from tests.test_cli import serve_process
+
+    program = next(b for b in code_blocks("python") if "CheckpointCoordinator(" in b)
+    env = {"NMP_CONTROL_TOKEN": "change-me", "NMP_HEARTBEAT_INTERVAL_S": "0.2"}
+    async with serve_process(env=env) as (_, _, port):
+        script = tmp_path / "trainer.py"
+        script.write_text(program.replace("127.0.0.1:8080", f"127.0.0.1:{port}"))
+        runs = []
+        for _ in range(2):
+            with trio.fail_after(60):
+                done = await trio.run_process(
+                    [sys.executable, str(script)], capture_stdout=True, cwd=tmp_path
+                )
+            runs.append(dict(line.split(" ", 1) for line in done.stdout.decode().splitlines()))
+    first, second = runs
+    exported = int(first["exported"])
+    assert exported > 0 and first["consumed"] == "8"  # the first run finished every episode
+    restored = json.loads(second["restored"])  # the second took the first's checkpoint back
+    assert len(restored) == exported and all(key.endswith("-a1") for key in restored)
+    assert second["consumed"] == str(exported)  # and ran each parked episode once more

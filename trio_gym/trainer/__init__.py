@@ -1,18 +1,46 @@
 """The library a trio-based trainer imports to talk to hosts (DESIGN §5)."""
 
 from trio_gym.trainer.client import ClientSettings, Progress, RolloutClient, SilentProgress
+from trio_gym.trainer.coordinator import (
+    CheckpointAborted,
+    CheckpointCoordinator,
+    CheckpointSettings,
+    CheckpointUnavailable,
+    Restored,
+    RestoreFailed,
+    RestoreRefused,
+)
+from trio_gym.trainer.dispatch import (
+    Dispatcher,
+    DispatchSettings,
+    GroupFailed,
+    RemoteHost,
+    SealedResult,
+)
 from trio_gym.trainer.errors import Origin, RolloutError, decode_response
 from trio_gym.trainer.stream import Row, RowError, RowStream, StreamSummary
 
 __all__ = [
+    "CheckpointAborted",
+    "CheckpointCoordinator",
+    "CheckpointSettings",
+    "CheckpointUnavailable",
     "ClientSettings",
+    "DispatchSettings",
+    "Dispatcher",
+    "GroupFailed",
     "Origin",
     "Progress",
+    "RemoteHost",
+    "RestoreFailed",
+    "RestoreRefused",
+    "Restored",
     "RolloutClient",
     "RolloutError",
     "Row",
     "RowError",
     "RowStream",
+    "SealedResult",
     "SilentProgress",
     "StreamSummary",
     "decode_response",

@@ -56,7 +56,7 @@ DROP_GRACE_S: Final = 5.0
 
 
 @attrs.frozen
-class Host:
+class RemoteHost:
     """One host instance: its name in the ledger and manifests, and how to reach it."""
 
     name: str
@@ -72,7 +72,7 @@ class Host:
         *,
         settings: ClientSettings | None = None,
         deadlines: DeadlineRegistry | None = None,
-    ) -> Host:
+    ) -> RemoteHost:
         return cls(name, RolloutClient(url, settings, deadlines=deadlines), HostControl(url, token))
 
 
@@ -115,7 +115,7 @@ class Dispatcher:
 
     def __init__(
         self,
-        hosts: Sequence[Host],
+        hosts: Sequence[RemoteHost],
         on_result: Callable[[SealedResult], None],
         *,
         ledger: Ledger | None = None,
@@ -124,7 +124,7 @@ class Dispatcher:
     ) -> None:
         if not hosts or len({host.name for host in hosts}) != len(hosts):
             raise ValueError("a dispatcher needs at least one host, each with its own name")
-        self.hosts: dict[str, Host] = {host.name: host for host in hosts}
+        self.hosts: dict[str, RemoteHost] = {host.name: host for host in hosts}
         self.ledger = ledger or Ledger(incarnation=uuid.uuid4().hex[:8])
         self.gate = DispatchGate()
         self.deadlines = deadlines or DeadlineRegistry()
