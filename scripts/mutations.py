@@ -877,6 +877,191 @@ MUTATIONS = [
             "tests/test_host_clock.py::test_examples_of_a_runner_with_its_own_nursery_are_counted",
         ),
     ),
+    Mutation(
+        "an attempt marked DISPATCHED before it waits at the gate",
+        "trio_gym/trainer/dispatch.py",
+        "            async with self.gate.admission():\n"
+        "                async with self.ledger.mutation() as ledger:\n"
+        "                    for key in keys:\n"
+        "                        ledger.dispatch(key, host)\n",
+        "            async with self.ledger.mutation() as ledger:\n"
+        "                for key in keys:\n"
+        "                    ledger.dispatch(key, host)\n"
+        "            async with self.gate.admission():\n",
+        (
+            "tests/test_dispatch.py::"
+            "test_an_attempt_waiting_at_the_closed_gate_is_not_marked_dispatched",
+        ),
+    ),
+    Mutation(
+        "an admission refusal charged as a lost attempt",
+        "trio_gym/trainer/dispatch.py",
+        "ledger.move(key, AttemptState.RESERVED)  # same identity, nothing spent",
+        "ledger.move(key, AttemptState.ABANDONED)",
+        (
+            "tests/test_dispatch.py::"
+            "test_admission_refusals_cost_nothing_and_are_resent_once_admission_reopens",
+        ),
+    ),
+    Mutation(
+        "admission refusals re-sent without a bound",
+        "trio_gym/trainer/dispatch.py",
+        "        if self.admission_refusals[key] > limit:",
+        "        if False:",
+        (
+            "tests/test_dispatch.py::test_a_host_whose_admission_never_reopens_ends_the_group_not_the_loop",
+        ),
+    ),
+    Mutation(
+        "lost rows not retired on their host",
+        "trio_gym/trainer/dispatch.py",
+        "            try:\n                await self.retire_queued(host)",
+        "            try:\n                pass",
+        (
+            "tests/test_dispatch.py::"
+            "test_rows_missing_from_a_cut_stream_are_abandoned_retired_and_resent_under_a_new_id",
+        ),
+    ),
+    Mutation(
+        "dropped attempts not retired before prepare",
+        "trio_gym/trainer/coordinator.py",
+        "        await self._every_host(dispatcher.retire_queued)",
+        "        pass",
+        (
+            "tests/test_dispatch.py::test_a_dropped_group_is_retired_by_the_next_checkpoint_before_prepare",
+        ),
+    ),
+    Mutation(
+        "a stream's deadline not paused with the others",
+        "trio_gym/trainer/deadlines.py",
+        "            self._registry.track(scope)",
+        "            pass",
+        ("tests/test_dispatch.py::test_a_stream_deadline_stands_still_while_a_holder_pauses_it",),
+    ),
+    Mutation(
+        "a checkpoint that does not pause request deadlines",
+        "trio_gym/trainer/coordinator.py",
+        "        dispatcher.deadlines.pause(holder)",
+        "        pass",
+        (
+            "tests/test_coordinator.py::"
+            "test_request_deadlines_stand_still_while_a_checkpoint_holds_admission_closed",
+        ),
+    ),
+    Mutation(
+        "hosts not resumed when a checkpoint fails",
+        "trio_gym/trainer/coordinator.py",
+        "            except BaseException:\n                await self._resume_everywhere(checkpoint_id)",
+        "            except BaseException:\n                pass",
+        (
+            "tests/test_coordinator.py::"
+            "test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_aborted",
+            "tests/test_coordinator.py::test_an_episode_the_trainer_never_dispatched_aborts_the_checkpoint",
+        ),
+    ),
+    Mutation(
+        "unavailable checkpoints retried without a bound",
+        "trio_gym/trainer/coordinator.py",
+        "            if self.consecutive_failures >= limit:",
+        "            if False:",
+        (
+            "tests/test_coordinator.py::"
+            "test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_aborted",
+        ),
+    ),
+    Mutation(
+        "lease renewals never sent",
+        "trio_gym/trainer/coordinator.py",
+        "            await trio.sleep(lease / 3)",
+        "            await trio.sleep_forever()",
+        (
+            "tests/test_coordinator_hosts.py::test_a_renewal_that_never_answers_fails_the_checkpoint",
+        ),
+    ),
+    Mutation(
+        "exported episodes not checked against the ledger",
+        "trio_gym/trainer/coordinator.py",
+        "        for host, export in exports.items():\n            owned = []",
+        "        for host, export in {}.items():\n            owned = []",
+        (
+            "tests/test_coordinator.py::test_an_episode_the_trainer_never_dispatched_aborts_the_checkpoint",
+        ),
+    ),
+    Mutation(
+        "an episode exported by two hosts accepted",
+        "trio_gym/trainer/coordinator.py",
+        "                if key in owners:\n                    raise",
+        "                if False:\n                    raise",
+        ("tests/test_coordinator.py::test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint",),
+    ),
+    Mutation(
+        "committed participants not checked against the host's topology",
+        "trio_gym/trainer/coordinator.py",
+        "        if named != participants:",
+        "        if False:",
+        ("tests/test_coordinator.py::test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint",),
+    ),
+    Mutation(
+        "restore skips the topology check (host names)",
+        "trio_gym/trainer/coordinator.py",
+        "        if named != set(self.dispatcher.hosts):",
+        "        if False:",
+        (
+            "tests/test_coordinator.py::test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing",
+        ),
+    ),
+    Mutation(
+        "restore skips the topology check (live participants)",
+        "trio_gym/trainer/coordinator.py",
+        "        await self._check_live_topology(manifest)",
+        "        pass",
+        (
+            "tests/test_coordinator_hosts.py::"
+            "test_a_live_host_with_other_participants_refuses_the_restore_unchanged",
+        ),
+    ),
+    Mutation(
+        "restore skips the committed digests",
+        "trio_gym/trainer/coordinator.py",
+        "            if on_disk != committed:",
+        "            if False:",
+        ("tests/test_coordinator.py::test_an_export_swapped_for_another_commit_is_refused",),
+    ),
+    Mutation(
+        "a failed restore left installed on the other hosts",
+        "trio_gym/trainer/coordinator.py",
+        "            await self._undo_restore(restore_id, successors)",
+        "            pass",
+        ("tests/test_coordinator.py::test_a_failed_restore_on_one_host_is_undone_on_every_host",),
+    ),
+    Mutation(
+        "restored episodes dispatched as the same attempt",
+        "trio_gym/trainer/coordinator.py",
+        "                    restored.append(ledger.next_attempt(key).capture_key)",
+        "                    restored.append(key)",
+        (
+            "tests/test_coordinator.py::"
+            "test_restore_dispatches_each_exported_episode_once_as_the_next_attempt_on_its_host",
+            "tests/test_trainer_crash.py::test_a_killed_trainer_restores_and_trains_every_episode_once",
+        ),
+    ),
+    Mutation(
+        "a new trainer process reuses the rollout ids of the one before",
+        "trio_gym/trainer/coordinator.py",
+        "Ledger.from_json(manifest.ledger, incarnation=uuid.uuid4().hex[:8])",
+        "Ledger.from_json(manifest.ledger)",
+        (
+            "tests/test_coordinator.py::"
+            "test_a_trainer_after_a_crash_never_reuses_the_ids_of_work_a_host_still_runs",
+        ),
+    ),
+    Mutation(
+        "a fresh trainer process mints the same rollout ids as the one before",
+        "trio_gym/trainer/dispatch.py",
+        "self.ledger = ledger or Ledger(incarnation=uuid.uuid4().hex[:8])",
+        "self.ledger = ledger or Ledger()",
+        ("tests/test_dispatch.py::test_a_fresh_trainer_after_a_crash_mints_ids_of_its_own",),
+    ),
 ]
 
 

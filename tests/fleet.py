@@ -62,7 +62,8 @@ class CuttableStream(trio.abc.Stream):
         return received[0]
 
     async def aclose(self) -> None:
-        await self._inner.aclose()
+        if not self._cut.is_set():  # a cut connection stays open at the host, as behind a proxy
+            await self._inner.aclose()
 
 
 @attrs.define
@@ -75,6 +76,14 @@ class Fleet:
     nursery: trio.Nursery
     cuts: dict[str, list[trio.Event]]
     """Host -> one event per connection the trainer opened to it (set one to cut it)."""
+
+
+def crash(f: Fleet) -> None:
+    """The trainer process dies; its connections stay open at the hosts (as behind a proxy
+    that has not noticed), so the hosts keep running what it sent."""
+    for cuts in f.cuts.values():
+        for cut in cuts:
+            cut.set()
 
 
 @asynccontextmanager

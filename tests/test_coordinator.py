@@ -12,15 +12,18 @@ import attrs
 import pytest
 import trio
 
-from tests.fleet import TOKEN, calendar, fleet, uninterrupted, wall
+from tests.fleet import TOKEN, calendar, crash, fleet, uninterrupted, wall
+from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.control import ControlTimeout, HostControl
 from trio_gym.trainer.coordinator import (
     CheckpointAborted,
+    CheckpointCoordinator,
     CheckpointSettings,
     CheckpointUnavailable,
     RestoreFailed,
     RestoreRefused,
 )
+from trio_gym.trainer.dispatch import Dispatcher
 from trio_gym.trainer.ledger import AttemptState
 from trio_gym.trainer.manifest import MANIFEST_NAME, load_manifest
 
@@ -231,3 +234,119 @@ async def test_an_unavailable_checkpoint_is_retried_and_the_count_resets(
         assert f.coordinator.consecutive_failures == 0
     assert [host.episodes for host in manifest.hosts if host.episodes]
     assert f.dispatcher.ledger.groups["slow"].siblings[0].current.state is AttemptState.SEALED
+
+
+async def test_request_deadlines_stand_still_while_a_checkpoint_holds_admission_closed(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    settings = CheckpointSettings(prepare_timeout_s=500)
+    client = ClientSettings(request_deadline_s=40)
+    async with fleet(client=client, checkpoint=settings) as f, trio.open_nursery() as nursery:
+        # "quick" (3 steps of 10 s) parks at 10; "slow" holds the prepare until its step ends.
+        nursery.start_soon(f.dispatcher.run_group, "quick", [calendar(1, think_s=10)])
+        nursery.start_soon(f.dispatcher.run_group, "slow", [calendar(2, think_s=100, meetings=1)])
+        await trio.sleep(5)
+        await f.coordinator.checkpoint(tmp_path / "c1")
+        assert trio.current_time() >= 100  # far past the 40 s request deadline
+    ledger = f.dispatcher.ledger
+    for group in ("quick", "slow"):
+        (attempt,) = ledger.groups[group].siblings[0].attempts  # never cut, never re-sent
+        assert attempt.state is AttemptState.SEALED
+
+
+class TamperedCommit(HostControl):
+    """A host whose commit reply does not fit what it should have exported."""
+
+    def __init__(self, *args: Any, tamper: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tamper = tamper
+
+    async def commit(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        reply = await super().commit(*args, **kwargs)
+        participants = reply["participants"]
+        if self.tamper == "unexpected participant":
+            participants.append({**participants[-1], "server_name": "stranger"})
+        elif self.tamper == "participant not committed":
+            participants.pop()
+        elif self.tamper == "two owners":
+            reply["capture_keys"] = [*reply["capture_keys"], self.other_host_key]
+            for participant in participants:
+                participant["capture_keys"] = reply["capture_keys"]
+        return reply
+
+    other_host_key = ""
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        ("unexpected participant", r"unexpected \['stranger/side_effect_store'\]"),
+        ("participant not committed", r"not committed \['calendar/side_effect_store'\]"),
+        ("two owners", "was exported by both"),
+    ],
+)
+async def test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, tamper: str, message: str
+) -> None:
+    async with fleet() as f, trio.open_nursery() as nursery:
+        b = f.dispatcher.hosts["b"]
+        tampered = TamperedCommit(
+            "http://b.invalid:8080", TOKEN, opener=b.control._opener, wall_time=wall, tamper=tamper
+        )
+        f.dispatcher.hosts["b"] = attrs.evolve(b, control=tampered)
+        nursery.start_soon(run_all, f, {"long": GROUPS["long"]})
+        await trio.sleep(7)
+        tampered.other_host_key = next(
+            a.capture_key
+            for a in f.dispatcher.ledger.in_state(AttemptState.DISPATCHED)
+            if a.host == "a"
+        )
+        with pytest.raises(CheckpointAborted, match=message):
+            await f.coordinator.checkpoint(tmp_path / "c1")
+        assert all(h.checkpoints.status()["phase"] == "idle" for h in f.hosts.values())
+        assert f.dispatcher.gate.is_open
+    assert not (tmp_path / "c1" / MANIFEST_NAME).exists()
+    assert len(f.consumed) == 2
+
+
+async def test_a_trainer_after_a_crash_never_reuses_the_ids_of_work_a_host_still_runs(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    late = {"late": [calendar(7, think_s=100)]}  # created after the checkpoint, long-running
+    async with fleet() as f:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run_all, f, GROUPS)
+            await trio.sleep(7)
+            await f.coordinator.checkpoint(tmp_path / "c1")
+            nursery.start_soon(run_all, f, late)
+            await trio.sleep(1)
+            crash(f)
+            nursery.cancel_scope.cancel()
+        # Restored, it sends "late" again, and crashes the same way; restored once more, it
+        # sends "late" a third time while the hosts still run both earlier copies.
+        consumed: list[Any] = []
+        for finish in (False, True):
+            dispatcher = Dispatcher(list(f.dispatcher.hosts.values()), consumed.append)
+            restored = await CheckpointCoordinator(dispatcher).restore(tmp_path / "c1")
+            groups = {**{g: GROUPS[g] for g in restored.groups}, **late}
+            if finish:
+                with trio.fail_after(10_000):
+                    await run_all(_As(dispatcher), groups)
+                break
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run_all, _As(dispatcher), groups)
+                await trio.sleep(1)
+                crash(f)
+                nursery.cancel_scope.cancel()
+            consumed.clear()
+        outcomes = consumed
+    assert outcomes and all(sealed.error is None for sealed in outcomes), [
+        sealed.error for sealed in outcomes if sealed.error
+    ]
+
+
+@attrs.frozen
+class _As:
+    """What ``run_all`` needs of a fleet: its dispatcher."""
+
+    dispatcher: Dispatcher

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 import trio
 
-from tests.fleet import calendar, fleet, uninterrupted
+from tests.fleet import calendar, crash, fleet, uninterrupted
 from trio_gym.trainer import ClientSettings, RolloutClient
-from trio_gym.trainer.dispatch import DispatchSettings, GroupFailed, SealedResult
+from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, GroupFailed, SealedResult
 from trio_gym.trainer.ledger import AttemptState, LedgerError
 
 
@@ -176,3 +176,20 @@ async def test_a_stream_deadline_stands_still_while_a_holder_pauses_it(
         async with client.stream([calendar(1, think_s=10)]) as stream:
             rows = [row async for row in stream]
     assert [row.ok for row in rows] == [True]  # 30 s of episode against a 20 s deadline
+
+
+async def test_a_fresh_trainer_after_a_crash_mints_ids_of_its_own(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    group = [calendar(1, think_s=100)]
+    async with fleet(("a",)) as f:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(f.dispatcher.run_group, "g", group)
+            await trio.sleep(1)
+            crash(f)  # the host keeps running the dead trainer's "g"
+            nursery.cancel_scope.cancel()
+        consumed: list[SealedResult] = []
+        fresh = Dispatcher(list(f.dispatcher.hosts.values()), consumed.append)
+        await fresh.run_group("g", group)
+    assert [sealed.error for sealed in consumed] == [None]
+    assert consumed[0].rollout_id != f.dispatcher.ledger.groups["g"].siblings[0].current.rollout_id

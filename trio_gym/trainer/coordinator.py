@@ -309,15 +309,17 @@ class CheckpointCoordinator:
         dispatcher = self.dispatcher
         ledger = dispatcher.ledger
         owners: dict[str, str] = {}
-        for host, export in exports.items():
-            owned = []
-            for key in export.episodes:
+        for host in sorted(exports):
+            for key in exports[host].episodes:
                 if key in owners:
                     raise CheckpointAborted(
                         f"episode {key} was exported by both {owners[key]} and {host}",
                         checkpoint_id,
                     )
                 owners[key] = host
+        for host, export in exports.items():
+            owned = []
+            for key in export.episodes:
                 try:
                     attempt, current = ledger.attempt(key), ledger.sibling_of(key).current
                 except KeyError:
