@@ -1017,7 +1017,7 @@ MUTATIONS = [
         "        pass",
         (
             "tests/test_coordinator_hosts.py::"
-            "test_a_live_host_with_other_participants_refuses_the_restore_unchanged",
+            "test_restores_that_do_not_fit_live_hosts_or_their_files_change_nothing",
         ),
     ),
     Mutation(

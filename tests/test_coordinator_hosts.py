@@ -168,7 +168,7 @@ async def test_a_host_that_dies_makes_the_checkpoint_unavailable_and_the_others_
     assert not (tmp_path / "c1" / "gym_checkpoint.json").exists()
 
 
-async def test_a_live_host_with_other_participants_refuses_the_restore_unchanged(
+async def test_restores_that_do_not_fit_live_hosts_or_their_files_change_nothing(
     tmp_path: Path,
 ) -> None:
     consumed: list[SealedResult] = []
@@ -179,11 +179,18 @@ async def test_a_live_host_with_other_participants_refuses_the_restore_unchanged
             async with trio.open_nursery() as work:
                 work.start_soon(run_groups, coordinator, GROUPS)
                 await trio.sleep(0.45)
-                await coordinator.checkpoint(tmp_path / "c1")
+                manifest = await coordinator.checkpoint(tmp_path / "c1")
             swapped = {"a": hosts["a"], "b": hosts["c"]}  # b now runs another environment
-            before = await statuses(swapped)
-            with pytest.raises(RestoreRefused, match="b now has participants") as refused:
+            before = await statuses(hosts)
+            with pytest.raises(RestoreRefused, match="b now has participants") as topology:
                 await trainer(swapped, []).restore(tmp_path / "c1")
-            after = await statuses(swapped)
-    assert "calendar" in str(refused.value)
-    assert before == after
+            export = next(host for host in manifest.hosts if host.episodes)
+            part = next(p for p in export.participants if p.kind == "side_effect_store")
+            records = Path(export.directory, "participants", part.kind, part.server_name)
+            (records / part.records_file).write_text('{"capture_key": "forged"}\n')
+            with pytest.raises(RestoreRefused, match="SHA-256") as digest:
+                await trainer(pair, []).restore(tmp_path / "c1")
+            after = await statuses(hosts)
+    assert "calendar" in str(topology.value) and part.records_file in str(digest.value)
+    assert before == after  # no host changed: no phase, no restored episode, no retire mark
+    assert all(s["counts"]["restored"] == 0 and s["phase"] == "idle" for s in after.values())
