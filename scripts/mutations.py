@@ -1062,6 +1062,43 @@ MUTATIONS = [
         "self.ledger = ledger or Ledger()",
         ("tests/test_dispatch.py::test_a_fresh_trainer_after_a_crash_mints_ids_of_its_own",),
     ),
+    Mutation(
+        "an episode given up during the drain still listed in the manifest",
+        "trio_gym/trainer/coordinator.py",
+        "hosts=[_still_owned(exports[host], ledger) for host in sorted(exports)],",
+        "hosts=[exports[host] for host in sorted(exports)],",
+        (
+            "tests/test_coordinator.py::"
+            "test_an_episode_given_up_during_the_drain_is_left_out_of_the_manifest",
+        ),
+    ),
+    Mutation(
+        "a restore brings back a group the trainer gave up",
+        "trio_gym/trainer/coordinator.py",
+        "            if not group.dropped\n",
+        "            if True\n",
+        (
+            "tests/test_coordinator.py::"
+            "test_an_episode_given_up_during_the_drain_is_left_out_of_the_manifest",
+        ),
+    ),
+    Mutation(
+        "a stale_attempt row sealed as the episode's result",
+        "trio_gym/trainer/dispatch.py",
+        "            if code == STALE_ATTEMPT:",
+        "            if False:",
+        ("tests/test_dispatch.py::test_an_identity_a_host_still_runs_is_a_loss_not_a_result",),
+    ),
+    Mutation(
+        "a request whose head never came re-sent under the same id",
+        "trio_gym/trainer/dispatch.py",
+        "    return refused_by_host or isinstance(error.__cause__, ConnectFailed)",
+        "    return True",
+        (
+            "tests/test_dispatch.py::"
+            "test_a_request_whose_answer_never_came_is_not_resent_under_the_same_id",
+        ),
+    ),
 ]
 
 

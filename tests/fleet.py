@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -13,7 +13,7 @@ import trio.testing
 from tests.helpers import CountingRunner
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
-from trio_gym.runners import ExampleContext, ExampleRunner
+from trio_gym.runners import ExampleContext, ExampleRunner, Runner
 from trio_gym.trainer.client import ClientSettings, RolloutClient
 from trio_gym.trainer.control import HostControl
 from trio_gym.trainer.coordinator import CheckpointCoordinator, CheckpointSettings
@@ -30,10 +30,11 @@ def wall() -> float:
 
 class CuttableStream(trio.abc.Stream):
     """The trainer's end of a connection; once ``cut`` is set, reading from it fails as a dead
-    proxy would, while the host's end stays open (the host may keep running the batch)."""
+    proxy would, while the host's end stays open (the host may keep running the batch). While
+    ``muted``, nothing the host sends arrives (a proxy that holds the answer)."""
 
-    def __init__(self, inner: trio.abc.Stream, cut: trio.Event) -> None:
-        self._inner, self._cut = inner, cut
+    def __init__(self, inner: trio.abc.Stream, cut: trio.Event, muted: bool = False) -> None:
+        self._inner, self._cut, self._muted = inner, cut, muted
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         await self._inner.send_all(data)
@@ -43,6 +44,9 @@ class CuttableStream(trio.abc.Stream):
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         if self._cut.is_set():
+            raise trio.BrokenResourceError("the proxy dropped the connection")
+        if self._muted:
+            await self._cut.wait()
             raise trio.BrokenResourceError("the proxy dropped the connection")
         async with trio.open_nursery() as nursery:
             received: list[bytes | bytearray] = []
@@ -76,6 +80,8 @@ class Fleet:
     nursery: trio.Nursery
     cuts: dict[str, list[trio.Event]]
     """Host -> one event per connection the trainer opened to it (set one to cut it)."""
+    mutes: dict[str, list[bool]]
+    """Host -> whether each next connection is muted (popped as connections open)."""
 
 
 def crash(f: Fleet) -> None:
@@ -94,28 +100,31 @@ async def fleet(
     dispatch: DispatchSettings | None = None,
     checkpoint: CheckpointSettings | None = None,
     on_result: Callable[[SealedResult], None] | None = None,
+    runners: Mapping[str, Runner] | None = None,
 ) -> AsyncIterator[Fleet]:
+    """Hosts ``names`` (each the example environment unless ``runners`` names another)."""
     consumed: list[SealedResult] = []
     deadlines = DeadlineRegistry()
     async with trio.open_nursery() as nursery:
         hosts: dict[str, Host] = {}
-        runners: dict[str, CountingRunner] = {}
+        counting: dict[str, CountingRunner] = {}
         handles = []
         cuts: dict[str, list[trio.Event]] = {}
+        mutes: dict[str, list[bool]] = {}
         for name in names:
-            runner = runners[name] = CountingRunner(ExampleRunner())
+            runner = counting[name] = CountingRunner((runners or {}).get(name, ExampleRunner()))
             config = ServeConfig(port=0, control_token=TOKEN, rollout_deadline_s=10**6)
             host = hosts[name] = Host(config, runner=runner, wall_time=wall)
             nursery.start_soon(host.checkpoints.watch_lease)
-            cuts[name] = []
-            opener = _opener(nursery, host, cuts[name])
+            cuts[name], mutes[name] = [], []
+            opener = _opener(nursery, host, cuts[name], mutes[name])
             url = f"http://{name}.invalid:8080"
             settings = client or ClientSettings(request_deadline_s=10**7)
             handles.append(
                 RemoteHost(
                     name,
                     RolloutClient(url, settings, opener=opener, deadlines=deadlines),
-                    HostControl(url, TOKEN, opener=_opener(nursery, host, []), wall_time=wall),
+                    HostControl(url, TOKEN, opener=_opener(nursery, host, [], []), wall_time=wall),
                 )
             )
         dispatcher = Dispatcher(
@@ -126,17 +135,17 @@ async def fleet(
             settings=checkpoint,
             trainer_state=lambda: {"consumed": [attrs.asdict(r) for r in consumed]},
         )
-        yield Fleet(hosts, runners, dispatcher, coordinator, consumed, nursery, cuts)
+        yield Fleet(hosts, counting, dispatcher, coordinator, consumed, nursery, cuts, mutes)
         nursery.cancel_scope.cancel()
 
 
-def _opener(nursery: trio.Nursery, host: Host, cuts: list[trio.Event]) -> Any:
+def _opener(nursery: trio.Nursery, host: Host, cuts: list[trio.Event], mutes: list[bool]) -> Any:
     async def open_stream(endpoint: Any) -> trio.abc.Stream:
         trainer_end, host_end = trio.testing.memory_stream_pair()
         nursery.start_soon(handle_connection, host, host_end)
         cut = trio.Event()
         cuts.append(cut)
-        return CuttableStream(trainer_end, cut)
+        return CuttableStream(trainer_end, cut, muted=mutes.pop(0) if mutes else False)
 
     return open_stream
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 import trio
 
 from tests.fleet import TOKEN, calendar, crash, fleet, uninterrupted, wall
+from tests.helpers import ScriptedRunner
 from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.control import ControlTimeout, HostControl
 from trio_gym.trainer.coordinator import (
@@ -268,6 +270,8 @@ class TamperedCommit(HostControl):
             participants.append({**participants[-1], "server_name": "stranger"})
         elif self.tamper == "participant not committed":
             participants.pop()
+        elif self.tamper == "malformed":
+            participants[0] = "oops"
         elif self.tamper == "two owners":
             reply["capture_keys"] = [*reply["capture_keys"], self.other_host_key]
             for participant in participants:
@@ -283,6 +287,7 @@ class TamperedCommit(HostControl):
         ("unexpected participant", r"unexpected \['stranger/side_effect_store'\]"),
         ("participant not committed", r"not committed \['calendar/side_effect_store'\]"),
         ("two owners", "was exported by both"),
+        ("malformed", "commit reply does not fit the contract"),
     ],
 )
 async def test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint(
@@ -350,3 +355,34 @@ class _As:
     """What ``run_all`` needs of a fleet: its dispatcher."""
 
     dispatcher: Dispatcher
+
+
+async def test_an_episode_given_up_during_the_drain_is_left_out_of_the_manifest(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    scripted = {"b": ScriptedRunner()}  # b's episodes report no boundaries: drained
+    async with fleet(runners=scripted) as f, trio.open_nursery() as nursery:
+        parked_scope = trio.CancelScope()
+        nursery.start_soon(_run_in, parked_scope, f, "parked", [calendar(1, think_s=5)])
+        drained = partial(f.dispatcher.run_group, hosts=["b"])
+        nursery.start_soon(drained, "drained", [{"sleep_s": 50}])
+        await trio.sleep(7)
+
+        async def give_up_during_the_drain() -> None:
+            await trio.sleep(13)  # the checkpoint is draining "drained" until 50
+            parked_scope.cancel()
+
+        nursery.start_soon(give_up_during_the_drain)
+        manifest = await f.coordinator.checkpoint(tmp_path / "c1")
+        parked = f.dispatcher.ledger.groups["parked"].siblings[0].current
+    assert parked.state is AttemptState.ABANDONED
+    assert [host.episodes for host in manifest.hosts] == [[], []]
+    assert (parked.rollout_id, 0) in f.dispatcher.to_retire["a"]
+    async with fleet(runners={"b": ScriptedRunner()}) as again:
+        restored = await again.coordinator.restore(tmp_path / "c1")
+    assert restored.groups == [] and restored.restored == []  # the dropped group stays dropped
+
+
+async def _run_in(scope: trio.CancelScope, f: Any, group_id: str, examples: Any) -> None:
+    with scope:
+        await f.dispatcher.run_group(group_id, examples, hosts=["a"])

@@ -10,7 +10,7 @@ import trio
 from tests.fleet import calendar, crash, fleet, uninterrupted
 from trio_gym.trainer import ClientSettings, RolloutClient
 from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, GroupFailed, SealedResult
-from trio_gym.trainer.ledger import AttemptState, LedgerError
+from trio_gym.trainer.ledger import AttemptState, Ledger, LedgerError
 
 
 def states(ledger: Any, group_id: str) -> list[list[tuple[str, int, str]]]:
@@ -193,3 +193,40 @@ async def test_a_fresh_trainer_after_a_crash_mints_ids_of_its_own(
         await fresh.run_group("g", group)
     assert [sealed.error for sealed in consumed] == [None]
     assert consumed[0].rollout_id != f.dispatcher.ledger.groups["g"].siblings[0].current.rollout_id
+
+
+async def test_an_identity_a_host_still_runs_is_a_loss_not_a_result(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    group = [calendar(1, think_s=100)]
+    async with fleet(("a",)) as f:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(f.dispatcher.run_group, "g", group)
+            await trio.sleep(1)
+            crash(f)  # the host keeps running g.0@<incarnation>
+            nursery.cancel_scope.cancel()
+        consumed: list[SealedResult] = []
+        same = Ledger(incarnation=f.dispatcher.ledger.incarnation)  # as a checkpoint had it
+        again = Dispatcher(list(f.dispatcher.hosts.values()), consumed.append, ledger=same)
+        await again.run_group("g", group)
+        status = f.hosts["a"].checkpoints.status()
+    token = same.incarnation
+    assert [sealed.error for sealed in consumed] == [None]
+    assert states(same, "g") == [
+        [(f"g.0@{token}", 0, "abandoned"), (f"g.0@{token}.g1", 0, "sealed")]
+    ]
+    assert status["counts"]["retired"] == 1  # the other copy was retired (cancelled)
+    assert len(f.runners["a"].cancelled) == 1
+
+
+async def test_a_request_whose_answer_never_came_is_not_resent_under_the_same_id(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with fleet(("a",), client=ClientSettings(request_deadline_s=30)) as f:
+        f.mutes["a"].append(True)  # a proxy holds the first answer: its head never comes
+        await f.dispatcher.run_group("g", [calendar(1, think_s=5)])
+    token = f.dispatcher.ledger.incarnation
+    assert states(f.dispatcher.ledger, "g") == [
+        [(f"g.0@{token}", 0, "abandoned"), (f"g.0@{token}.g1", 0, "sealed")]
+    ]
+    assert len(f.cuts["a"]) == 2  # the host took the first request; it was never re-sent

@@ -98,8 +98,14 @@ def exported_by(source: Path) -> dict[str, str]:
 
 
 def every_episode_of(steps: int) -> Counter[Any]:
+    """Each step's groups, and the one more it submits while its checkpoint holds the gate."""
     return Counter(
-        {(f"s{s}-g{g}", i): 1 for s in range(steps) for g in range(GROUPS) for i in range(SIBLINGS)}
+        {
+            (f"s{s}-g{g}", i): 1
+            for s in range(steps)
+            for g in range(GROUPS + 1)
+            for i in range(SIBLINGS)
+        }
     )
 
 

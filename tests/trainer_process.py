@@ -91,6 +91,13 @@ class ArmedControl(HostControl):
         return reply
 
 
+async def submit_late(dispatcher: Dispatcher, group_id: str, siblings: int, think_s: float) -> None:
+    """A group sent just after the checkpoint began: its attempts wait at the closed gate (the
+    hosts take longer than this to park), so the checkpoint's ledger holds them RESERVED."""
+    await trio.sleep(0.02)
+    await dispatcher.run_group(group_id, group_examples(group_id, siblings, think_s))
+
+
 def newest_checkpoint(root: Path) -> Path | None:
     found = [
         (load_manifest(path.parent).trainer_state["n"], path.parent)
@@ -148,11 +155,13 @@ async def main(config: dict[str, Any]) -> None:
     while state["step"] < config["steps"]:
         step = state["step"]
         groups = [f"s{step}-g{i}" for i in range(config["groups"])]
+        late = f"s{step}-g{config['groups']}"  # submitted while the checkpoint holds the gate
         async with trio.open_nursery() as nursery:
             for group_id in groups:
                 examples = group_examples(group_id, siblings, think_s)
                 nursery.start_soon(dispatcher.run_group, group_id, examples)
             await trio.sleep(config["checkpoint_after_s"])
+            nursery.start_soon(submit_late, dispatcher, late, siblings, think_s)
             state["n"] += 1
             armed.checkpoints += 1
             directory = root / f"ckpt-{state['n']}-{uuid.uuid4().hex[:8]}"

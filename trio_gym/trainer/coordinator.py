@@ -34,7 +34,9 @@ from typing import Any, Final, TypeVar
 
 import attrs
 import trio
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from trio_gym.config import describe_validation_error
 from trio_gym.errors import WireError
 from trio_gym.host.export import read_export
 from trio_gym.logs import log_event
@@ -175,8 +177,9 @@ class CheckpointCoordinator:
             await dispatcher.gate.close()
         if not dispatcher.gate.is_open and dispatcher.gate.admissions_under_way:
             raise CheckpointUnavailable(
-                f"{dispatcher.gate.admissions_under_way} submission(s) were still waiting for "
-                f"their hosts' answers after {settings.gate_timeout_s:g} s (gate_timeout_s)",
+                f"{dispatcher.gate.admissions_under_way} dispatch admission(s) (requests "
+                f"waiting for their hosts' heads, retires of lost rows) were still under way "
+                f"after {settings.gate_timeout_s:g} s (gate_timeout_s)",
                 checkpoint_id,
             )
         await self._every_host(dispatcher.retire_queued)
@@ -197,7 +200,7 @@ class CheckpointCoordinator:
                 checkpoint_id=checkpoint_id,
                 ledger=ledger.to_json(),
                 trainer_state=dict(self.trainer_state()),
-                hosts=[exports[host] for host in sorted(exports)],
+                hosts=[_still_owned(exports[host], ledger) for host in sorted(exports)],
             )
             write_manifest(directory, manifest)
         return manifest
@@ -233,7 +236,13 @@ class CheckpointCoordinator:
                 f"s: {blockers.get('count')} still in a step, e.g. {blockers.get('sample')}",
                 checkpoint_id,
             )
-        return {(p["server_name"], p["kind"]) for p in status.get("participants", [])}
+        named = _participants(status)
+        if not named:
+            raise CheckpointAborted(
+                f"{host} lists no participants in its status (a host older than this trainer?)",
+                checkpoint_id,
+            )
+        return named
 
     async def _renew_leases(
         self, checkpoint_id: str, renewal: _Renewal, scope: trio.CancelScope
@@ -263,45 +272,42 @@ class CheckpointCoordinator:
         reply = await self.dispatcher.hosts[host].control.commit(
             checkpoint_id, str(export_directory), timeout_s=self.settings.control_timeout_s
         )
-        keys = reply.get("capture_keys")
-        committed = reply.get("participants")
-        if not isinstance(keys, list) or not isinstance(committed, list):
+        try:
+            parsed = _CommitReply.model_validate(reply)
+        except ValidationError as exc:
             raise CheckpointAborted(
-                f"{host}'s commit reply lacks capture_keys or participants: {reply!r}",
+                f"{host}'s commit reply does not fit the contract: "
+                f"{describe_validation_error(exc)}",
                 checkpoint_id,
-            )
-        named = {(p.get("server_name"), p.get("kind")) for p in committed}
+            ) from exc
+        keys = set(parsed.capture_keys)
+        named = {(p.server_name, p.kind) for p in parsed.participants}
         if named != participants:
-            surplus = sorted("/".join(map(str, p)) for p in named - participants)
+            surplus = sorted("/".join(p) for p in named - participants)
             absent = sorted("/".join(p) for p in participants - named)
             raise CheckpointAborted(
                 f"{host} committed participants that are not its topology: unexpected {surplus}, "
                 f"not committed {absent}",
                 checkpoint_id,
             )
-        for entry in committed:
-            covered = set(entry.get("capture_keys", []))
-            owner = (entry["server_name"], entry["kind"]) == HOST_PARTICIPANT
-            if (owner and covered != set(keys)) or not covered <= set(keys):
+        for entry in parsed.participants:
+            covered = set(entry.capture_keys)
+            owner = (entry.server_name, entry.kind) == HOST_PARTICIPANT
+            if (owner and covered != keys) or not covered <= keys:
                 raise CheckpointAborted(
-                    f"{host}: participant {entry['kind']}/{entry['server_name']} covers "
+                    f"{host}: participant {entry.server_name}/{entry.kind} covers "
                     f"{sorted(covered)}, the export is {sorted(keys)}",
                     checkpoint_id,
                 )
-        try:
-            return HostExport(
-                instance=host,
-                directory=str(export_directory),
-                episodes=sorted(keys),
-                participants=[
-                    Participant.model_validate(
-                        {k: v for k, v in entry.items() if k != "capture_keys"}, strict=False
-                    )
-                    for entry in committed
-                ],
-            )
-        except ValueError as exc:
-            raise CheckpointAborted(f"{host}'s commit reply: {exc}", checkpoint_id) from exc
+        return HostExport(
+            instance=host,
+            directory=str(export_directory),
+            episodes=sorted(keys),
+            participants=[
+                Participant.model_validate(entry.model_dump(exclude={"capture_keys"}))
+                for entry in parsed.participants
+            ],
+        )
 
     def _check_ownership(self, checkpoint_id: str, exports: dict[str, HostExport]) -> set[str]:
         """Every exported episode is one the ledger has dispatched to that host and not yet
@@ -444,7 +450,8 @@ class CheckpointCoordinator:
         groups = [
             group.group_id
             for group in ledger.groups.values()
-            if any(s.current.state is not AttemptState.SEALED for s in group.siblings)
+            if not group.dropped
+            and any(s.current.state is not AttemptState.SEALED for s in group.siblings)
         ]
         log_event("checkpoint_restored", checkpoint_id=source, episodes=len(restored))
         return Restored(source, dict(manifest.trainer_state), groups, restored)
@@ -491,11 +498,18 @@ class CheckpointCoordinator:
 
     async def _check_live_topology(self, manifest: CheckpointManifest) -> None:
         timeout = self.settings.control_timeout_s
-        statuses = await self._every_host(
-            lambda host: self.dispatcher.hosts[host].control.status(timeout_s=timeout)
-        )
+        try:
+            statuses = await self._every_host(
+                lambda host: self.dispatcher.hosts[host].control.status(timeout_s=timeout)
+            )
+        except (CheckpointUnavailable, CheckpointAborted) as failure:
+            raise RestoreFailed(
+                f"restoring {manifest.checkpoint_id}: the hosts' status could not be read, "
+                f"nothing was changed: {failure}",
+                manifest.checkpoint_id,
+            ) from failure
         for host in manifest.hosts:
-            live = {(p["server_name"], p["kind"]) for p in statuses[host.instance]["participants"]}
+            live = _participants(statuses[host.instance])
             saved = {(p.server_name, p.kind) for p in host.participants}
             if live != saved:
                 raise RestoreRefused(
@@ -567,6 +581,19 @@ class CheckpointCoordinator:
                     nursery.start_soon(undo, host)
 
 
+class _CommittedParticipant(Participant):
+    capture_keys: list[str]
+
+
+class _CommitReply(BaseModel):
+    """What the trainer relies on in a host's commit reply (other fields may follow)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    capture_keys: list[str]
+    participants: list[_CommittedParticipant]
+
+
 @attrs.define
 class _Renewal:
     failure: CheckpointUnavailable | None = None
@@ -585,3 +612,24 @@ def _loaded(directory: Path) -> tuple[CheckpointManifest, Ledger]:
         return manifest, Ledger.from_json(manifest.ledger, incarnation=uuid.uuid4().hex[:8])
     except (ManifestError, LedgerError) as exc:
         raise RestoreRefused(str(exc)) from exc
+
+
+def _still_owned(export: HostExport, ledger: Ledger) -> HostExport:
+    """``export`` without the episodes the ledger gave up since the commit (a group dropped or
+    a parked episode's stream cut during the drain): a restore must not bring those back, and
+    their attempts are queued to retire."""
+    owned = [
+        key
+        for key in export.episodes
+        if ledger.attempt(key).state is AttemptState.DISPATCHED
+        and ledger.sibling_of(key).current is ledger.attempt(key)
+    ]
+    return export.model_copy(update={"episodes": owned})
+
+
+def _participants(status: dict[str, Any]) -> set[tuple[str, str]]:
+    """The (server name, kind) pairs a host's status lists (none if it lists none)."""
+    listed = status.get("participants")
+    if not isinstance(listed, list):
+        return set()
+    return {(str(p.get("server_name")), str(p.get("kind"))) for p in listed if isinstance(p, dict)}

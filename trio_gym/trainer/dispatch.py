@@ -39,16 +39,18 @@ from typing import Any, Final
 import attrs
 import trio
 
+from trio_gym.http import ConnectFailed
 from trio_gym.logs import log_event
 from trio_gym.trainer.client import ClientSettings, RolloutClient
 from trio_gym.trainer.control import ControlError, HostControl
 from trio_gym.trainer.deadlines import DeadlineRegistry
-from trio_gym.trainer.errors import RolloutError
+from trio_gym.trainer.errors import Origin, RolloutError
 from trio_gym.trainer.gate import DispatchGate
 from trio_gym.trainer.ledger import Attempt, AttemptState, Ledger
 from trio_gym.trainer.stream import Row, RowError
 
 ADMISSION_CLOSED: Final = "admission_closed"
+STALE_ATTEMPT: Final = "stale_attempt"
 UNREACHED_STATUSES: Final = frozenset({409, 429, 503})
 """A refused request the host did not run and may take later (busy, stopping, closed)."""
 DROP_GRACE_S: Final = 5.0
@@ -137,23 +139,33 @@ class Dispatcher:
 
     # --- groups -----------------------------------------------------------------------------
 
-    async def run_group(self, group_id: str, examples: Sequence[Mapping[str, Any]]) -> None:
+    async def run_group(
+        self,
+        group_id: str,
+        examples: Sequence[Mapping[str, Any]],
+        *,
+        hosts: Sequence[str] | None = None,
+    ) -> None:
         """Run one group to the end: ``examples[i]`` is sibling ``i``'s payload (kept in memory
-        only). A group already in the ledger (after a restore) continues: sealed siblings are
-        not sent again, restored ones go to their own host as the next attempt."""
+        only), sent to ``hosts[i]`` (default: the hosts in turn). A group already in the ledger
+        (after a restore) continues: sealed siblings are not sent again, restored ones go to
+        their own host as the next attempt."""
+        if hosts is not None and (len(hosts) != len(examples) or not set(hosts) <= set(self.hosts)):
+            raise ValueError(f"hosts must name one of {sorted(self.hosts)} per payload")
         async with self.ledger.mutation() as ledger:
             group = ledger.groups.get(group_id)
             if group is None:
-                group = ledger.add_group(group_id, self._assign(len(examples)))
+                assigned = list(hosts) if hosts is not None else self._assign(len(examples))
+                group = ledger.add_group(group_id, assigned)
             elif len(group.siblings) != len(examples):
                 raise ValueError(
                     f"group {group_id!r} has {len(group.siblings)} siblings in the ledger; "
                     f"{len(examples)} payloads were given"
                 )
         budget = _Budget()
-        hosts = sorted({sibling.current.host for sibling in group.siblings})
+        used = sorted({sibling.current.host for sibling in group.siblings})
         try:
-            await self._on_each_host(group_id, hosts, examples, budget)
+            await self._on_each_host(group_id, used, examples, budget)
         except BaseException:
             with trio.CancelScope(shield=True) as scope:
                 scope.deadline = trio.current_time() + DROP_GRACE_S
@@ -215,12 +227,8 @@ class Dispatcher:
         """The group was given up: its unsealed attempts are abandoned, and those a host may
         still run are queued for the next checkpoint to retire."""
         async with self.ledger.mutation() as ledger:
-            for sibling in ledger.groups[group_id].siblings:
-                attempt = sibling.current
-                if attempt.state is AttemptState.DISPATCHED:
-                    self.to_retire[attempt.host].add((attempt.rollout_id, attempt.number))
-                if attempt.state in (AttemptState.RESERVED, AttemptState.DISPATCHED):
-                    ledger.move(attempt.capture_key, AttemptState.ABANDONED)
+            for attempt in ledger.drop(group_id):
+                self.to_retire[attempt.host].add((attempt.rollout_id, attempt.number))
         log_event("group_dropped", group=group_id)
 
     # --- one request ------------------------------------------------------------------------
@@ -249,20 +257,26 @@ class Dispatcher:
                         ledger.dispatch(key, host)
                 try:
                     await rows.start()
+                    unanswered = None
                 except RolloutError as error:
-                    await self._unreached(keys, error, budget)
-                    unreached = True
-                else:
-                    unreached = False
-            if unreached:
-                await trio.sleep(self.settings.unreached_backoff_s)
+                    unanswered = error
+                if unanswered is not None and _never_reached(unanswered):
+                    await self._unreached(keys, unanswered, budget)
+            if unanswered is not None:
+                if _never_reached(unanswered):
+                    await trio.sleep(self.settings.unreached_backoff_s)
+                else:  # the host may have taken the batch: never re-sent under these ids
+                    log_event("request_unanswered", host=host, error=str(unanswered))
+                    await self._lose(host, keys)
                 return
+            lost = []
             try:
                 async for row in rows:
-                    await self._settle(keys[row.index], row, budget)
+                    if await self._settle(keys[row.index], row, budget):
+                        lost.append(keys[row.index])
             except RolloutError as error:
                 log_event("stream_cut", host=host, error=str(error), missing=len(rows.missing))
-            await self._lose(host, [keys[index] for index in rows.missing])
+            await self._lose(host, lost + [keys[index] for index in rows.missing])
         finally:
             await rows.aclose()
         refused = any(self.ledger.attempt(key).state is AttemptState.RESERVED for key in keys)
@@ -271,13 +285,20 @@ class Dispatcher:
             # (which would hold the re-send until it opens): wait as its Retry-After asks.
             await trio.sleep(self.settings.admission_retry_s)
 
-    async def _settle(self, key: str, row: Row, budget: _Budget) -> None:
+    async def _settle(self, key: str, row: Row, budget: _Budget) -> bool:
+        """Record one row; True if it says this attempt cannot run on its host (``stale_attempt``:
+        the host holds or retired this identity, e.g. a dead trainer process's copy), which is
+        a loss, not the episode's outcome."""
         async with self.ledger.mutation() as ledger:
-            if row.error is not None and row.error.code == ADMISSION_CLOSED:
+            code = row.error.code if row.error is not None else None
+            if code == ADMISSION_CLOSED:
                 ledger.move(key, AttemptState.RESERVED)  # same identity, nothing spent
                 self.admission_closed_rows_total += 1
                 budget.refused(key, self.settings.max_admission_refusals)
-                return
+                return False
+            if code == STALE_ATTEMPT:
+                log_event("attempt_stale", key=key, message=row.error.message if row.error else "")
+                return True
             attempt = ledger.move(key, AttemptState.SEALED)
             sibling = ledger.sibling_of(key)
             self.on_result(
@@ -291,10 +312,12 @@ class Dispatcher:
                     row.error,
                 )
             )
+            return False
 
     async def _unreached(self, keys: list[str], error: RolloutError, budget: _Budget) -> None:
-        """The request never reached its host's episodes: they keep their identity."""
-        if not (error.retryable or error.status in UNREACHED_STATUSES):
+        """The request certainly never reached its host's episodes: they keep their identity
+        (a host refusal it may accept later, or a connection that never opened)."""
+        if error.status is not None and error.status not in UNREACHED_STATUSES:
             raise GroupFailed(f"the host refused the request: {error}") from error
         async with self.ledger.mutation() as ledger:
             for key in keys:
@@ -317,12 +340,6 @@ class Dispatcher:
             except ControlError as error:
                 log_event("retire_deferred", host=host, error=str(error))
 
-    async def _pause_before_resend(self) -> None:
-        """Re-send refused rows once admission reopens: at once if this trainer's gate was what
-        held them (it opens after the checkpoint), after ``admission_retry_s`` otherwise."""
-        if self.gate.is_open:
-            await trio.sleep(self.settings.admission_retry_s)
-
     # --- retiring ---------------------------------------------------------------------------
 
     async def retire_queued(self, host: str) -> None:
@@ -332,9 +349,13 @@ class Dispatcher:
         if not queued:
             return
         control = self.hosts[host].control
-        await control.retire(
+        reply = await control.retire(
             f"retire-{uuid.uuid4().hex[:16]}", queued, timeout_s=self.settings.retire_timeout_s
         )
+        still = reply.get("still_stopping", {}).get("count", 0)
+        if still:  # marked, but some copies had not ended by the deadline: not done yet
+            log_event("retire_unfinished", host=host, still_stopping=still)
+            return
         self.to_retire[host].difference_update(queued)
         log_event("attempts_retired", host=host, count=len(queued))
 
@@ -361,3 +382,11 @@ class _Budget:
                 f"{key} could not reach its host in {self.unreached_sends[key]} sends "
                 f"(max_unreached={limit}): {error}"
             ) from error
+
+
+def _never_reached(error: RolloutError) -> bool:
+    """Whether the host certainly did not take the request's episodes: the connection never
+    opened, or the host itself refused the request (it refuses before admitting anything). A
+    missing head otherwise (a timeout, a reset, a proxy's 502) may hide a batch it took."""
+    refused_by_host = error.origin is Origin.SANDBOX and error.status is not None
+    return refused_by_host or isinstance(error.__cause__, ConnectFailed)

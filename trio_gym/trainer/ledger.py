@@ -88,6 +88,8 @@ class Sibling:
 class Group:
     group_id: str
     siblings: list[Sibling]
+    dropped: bool = False
+    """The trainer gave the group up (cancelled or failed): a restore does not bring it back."""
 
 
 # Legal moves, in one place.
@@ -195,6 +197,21 @@ class Ledger:
             raise LedgerError(f"{key} belongs to host {attempt.host!r}, not {host!r}")
         return self.move(key, AttemptState.DISPATCHED)
 
+    def drop(self, group_id: str) -> list[Attempt]:
+        """Give the group up: its unsealed current attempts are ABANDONED. Returns those that
+        were DISPATCHED (a host may still run them)."""
+        self._check_held()
+        group = self._groups[group_id]
+        group.dropped = True
+        dispatched = []
+        for sibling in group.siblings:
+            attempt = sibling.current
+            if attempt.state is AttemptState.DISPATCHED:
+                dispatched.append(attempt)
+            if attempt.state in (AttemptState.RESERVED, AttemptState.DISPATCHED):
+                attempt.state = AttemptState.ABANDONED
+        return dispatched
+
     def retry(self, key: str, *, host: str | None = None) -> Attempt:
         """After ``key`` was abandoned: a fresh RESERVED attempt 0 under a new rollout id (the
         host may still run the old one until it is retired)."""
@@ -236,6 +253,7 @@ class Ledger:
             groups=[
                 _GroupFile(
                     group_id=group.group_id,
+                    dropped=group.dropped,
                     siblings=[
                         _SiblingFile(
                             index=sibling.index,
@@ -279,7 +297,7 @@ class Ledger:
                     except LedgerError as exc:
                         raise LedgerError(f"the ledger cannot be loaded: {exc}") from None
                 siblings.append(sibling)
-            ledger._groups[group.group_id] = Group(group.group_id, siblings)
+            ledger._groups[group.group_id] = Group(group.group_id, siblings, group.dropped)
         return ledger
 
 
@@ -301,6 +319,7 @@ class _SiblingFile(_Strict):
 
 class _GroupFile(_Strict):
     group_id: str = Field(min_length=1)
+    dropped: bool = False
     siblings: list[_SiblingFile]
 
 
