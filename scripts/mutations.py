@@ -275,8 +275,8 @@ MUTATIONS = [
     Mutation(
         "no client-side request deadline",
         "trio_gym/trainer/client.py",
-        "        with trio.move_on_after(self.settings.request_deadline_s):",
-        "        with trio.move_on_after(math.inf):",
+        "        with RequestDeadline(self.deadlines, self.settings.request_deadline_s).waiting():",
+        "        with RequestDeadline(self.deadlines, math.inf).waiting():",
         ("tests/test_client.py::test_the_client_deadline_bounds_a_host_that_heartbeats_forever",),
         also=(("trio_gym/trainer/client.py", "import attrs\n", "import math\n\nimport attrs\n"),),
     ),

@@ -345,6 +345,8 @@ async def test_a_trainer_after_a_crash_never_reuses_the_ids_of_work_a_host_still
                 nursery.cancel_scope.cancel()
             consumed.clear()
         outcomes = consumed
+    (late_attempt,) = dispatcher.ledger.groups["late"].siblings[0].attempts
+    assert late_attempt.state is AttemptState.SEALED  # an id of its own: no collision, no loss
     assert outcomes and all(sealed.error is None for sealed in outcomes), [
         sealed.error for sealed in outcomes if sealed.error
     ]

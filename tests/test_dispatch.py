@@ -178,21 +178,27 @@ async def test_a_stream_deadline_stands_still_while_a_holder_pauses_it(
     assert [row.ok for row in rows] == [True]  # 30 s of episode against a 20 s deadline
 
 
+async def die_while_running(f: Any, group: list[dict[str, Any]]) -> None:
+    """The fleet's trainer sends group "g", then dies; its host keeps running it."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(f.dispatcher.run_group, "g", group)
+        await trio.sleep(1)
+        crash(f)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_fresh_trainer_after_a_crash_mints_ids_of_its_own(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     group = [calendar(1, think_s=100)]
     async with fleet(("a",)) as f:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(f.dispatcher.run_group, "g", group)
-            await trio.sleep(1)
-            crash(f)  # the host keeps running the dead trainer's "g"
-            nursery.cancel_scope.cancel()
+        await die_while_running(f, group)
         consumed: list[SealedResult] = []
         fresh = Dispatcher(list(f.dispatcher.hosts.values()), consumed.append)
         await fresh.run_group("g", group)
     assert [sealed.error for sealed in consumed] == [None]
     assert consumed[0].rollout_id != f.dispatcher.ledger.groups["g"].siblings[0].current.rollout_id
+    assert states(fresh.ledger, "g")[0][0][2] == "sealed"  # first time: no collision, no loss
 
 
 async def test_an_identity_a_host_still_runs_is_a_loss_not_a_result(
@@ -200,11 +206,7 @@ async def test_an_identity_a_host_still_runs_is_a_loss_not_a_result(
 ) -> None:
     group = [calendar(1, think_s=100)]
     async with fleet(("a",)) as f:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(f.dispatcher.run_group, "g", group)
-            await trio.sleep(1)
-            crash(f)  # the host keeps running g.0@<incarnation>
-            nursery.cancel_scope.cancel()
+        await die_while_running(f, group)  # the host keeps running g.0@<incarnation>
         consumed: list[SealedResult] = []
         same = Ledger(incarnation=f.dispatcher.ledger.incarnation)  # as a checkpoint had it
         again = Dispatcher(list(f.dispatcher.hosts.values()), consumed.append, ledger=same)

@@ -11,11 +11,11 @@ a result (or an example's own error row)    SEALED, handed to ``on_result`` in t
 ``admission_closed`` (a checkpoint)          back to RESERVED with its identity; re-sent once
                                             admission reopens; spends no budget; counted in
                                             :attr:`Dispatcher.admission_closed_rows_total`
-the request never reached the host          back to RESERVED with its identity; re-sent
-                                            after a backoff, at most ``max_unreached`` times
-no row (the stream was cut)                 ABANDONED, retired on its host at once (under
-                                            dispatch admission), re-sent as a fresh attempt
-                                            under a new rollout id, at most ``max_losses``
+the request certainly never reached the     back to RESERVED with its identity; re-sent
+host (no connection, or the host refused)   after a backoff, at most ``max_unreached`` times
+no row (the stream was cut), no head for    ABANDONED, retired on its host at once (under
+another reason, or ``stale_attempt`` (the   dispatch admission), re-sent as a fresh attempt
+host holds this identity already)           under a new rollout id, at most ``max_losses``
 ==========================================  =============================================
 
 The gate rule: an attempt is marked DISPATCHED inside the gate's admission, in the same
