@@ -1063,6 +1063,13 @@ MUTATIONS = [
         ("tests/test_dispatch.py::test_a_fresh_trainer_after_a_crash_mints_ids_of_its_own",),
     ),
     Mutation(
+        "two checkpoints at once on one coordinator",
+        "trio_gym/trainer/coordinator.py",
+        "        if self._checkpointing:",
+        "        if False:",
+        ("tests/test_coordinator.py::test_a_second_checkpoint_while_one_is_under_way_is_refused",),
+    ),
+    Mutation(
         "an episode given up during the drain still listed in the manifest",
         "trio_gym/trainer/coordinator.py",
         "hosts=[_still_owned(exports[host], ledger) for host in sorted(exports)],",

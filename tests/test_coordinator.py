@@ -388,3 +388,16 @@ async def test_an_episode_given_up_during_the_drain_is_left_out_of_the_manifest(
 async def _run_in(scope: trio.CancelScope, f: Any, group_id: str, examples: Any) -> None:
     with scope:
         await f.dispatcher.run_group(group_id, examples, hosts=["a"])
+
+
+async def test_a_second_checkpoint_while_one_is_under_way_is_refused(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    async with fleet() as f, trio.open_nursery() as nursery:
+        nursery.start_soon(run_all, f, {"slow": [calendar(1, think_s=50, meetings=1)]})
+        await trio.sleep(1)
+        nursery.start_soon(f.coordinator.checkpoint, tmp_path / "c1")  # parks at 50
+        await trio.sleep(5)
+        with pytest.raises(RuntimeError, match="already under way"):
+            await f.coordinator.checkpoint(tmp_path / "c2")
+    assert (tmp_path / "c1" / MANIFEST_NAME).exists() and not (tmp_path / "c2").exists()

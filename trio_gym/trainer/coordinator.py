@@ -135,11 +135,21 @@ class CheckpointCoordinator:
         self.settings = settings or CheckpointSettings()
         self.trainer_state = trainer_state
         self.consecutive_failures = 0
+        self._checkpointing = False
 
     # --- checkpoint -------------------------------------------------------------------------
 
     async def checkpoint(self, directory: Path) -> CheckpointManifest:
         """Take one checkpoint into ``directory`` (created if needed); its manifest."""
+        if self._checkpointing:
+            raise RuntimeError("a checkpoint is already under way; await it before the next")
+        self._checkpointing = True
+        try:
+            return await self._checkpoint(directory)
+        finally:
+            self._checkpointing = False
+
+    async def _checkpoint(self, directory: Path) -> CheckpointManifest:
         checkpoint_id = f"ckpt-{uuid.uuid4().hex[:16]}"
         holder = f"checkpoint:{checkpoint_id}"
         directory = _made(directory)
