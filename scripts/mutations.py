@@ -1063,6 +1063,13 @@ MUTATIONS = [
         ("tests/test_dispatch.py::test_a_fresh_trainer_after_a_crash_mints_ids_of_its_own",),
     ),
     Mutation(
+        "a retire whose copies are still stopping counted as done",
+        "trio_gym/trainer/dispatch.py",
+        "        if still:",
+        "        if False:",
+        ("tests/test_dispatch.py::test_a_retire_whose_copies_are_still_stopping_stays_queued",),
+    ),
+    Mutation(
         "two checkpoints at once on one coordinator",
         "trio_gym/trainer/coordinator.py",
         "        if self._checkpointing:",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import trio
 
 from tests.fleet import calendar, crash, fleet, uninterrupted
+from trio_gym.runners import ExampleContext, ExampleRunner
 from trio_gym.trainer import ClientSettings, RolloutClient
 from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, GroupFailed, SealedResult
 from trio_gym.trainer.ledger import AttemptState, Ledger, LedgerError
@@ -232,3 +234,41 @@ async def test_a_request_whose_answer_never_came_is_not_resent_under_the_same_id
         [(f"g.0@{token}", 0, "abandoned"), (f"g.0@{token}.g1", 0, "sealed")]
     ]
     assert len(f.cuts["a"]) == 2  # the host took the first request; it was never re-sent
+
+
+class StubbornRunner(ExampleRunner):
+    """The example environment, slow to stop: a cancelled episode takes 100 s to wind down."""
+
+    async def run_example(self, example: Mapping[str, Any], context: ExampleContext) -> Any:
+        try:
+            return await super().run_example(example, context)
+        except trio.Cancelled:
+            with trio.CancelScope(shield=True):
+                await trio.sleep(100)
+            raise
+
+
+async def test_a_retire_whose_copies_are_still_stopping_stays_queued(
+    autojump_clock: trio.abc.Clock, tmp_path: Any
+) -> None:
+    consumed: list[SealedResult] = []
+
+    def cut_after_the_first_row(sealed: SealedResult) -> None:
+        consumed.append(sealed)
+        f.cuts["a"][0].set()
+
+    settings = DispatchSettings(retire_timeout_s=5)
+    examples = [calendar(1, think_s=1.0), calendar(2, think_s=50.0)]
+    async with fleet(
+        ("a",),
+        dispatch=settings,
+        on_result=cut_after_the_first_row,
+        runners={"a": StubbornRunner()},
+    ) as f:
+        await f.dispatcher.run_group("g", examples)
+        lost = f.dispatcher.ledger.groups["g"].siblings[1].attempts[0]
+        assert f.dispatcher.to_retire["a"] == {(lost.rollout_id, 0)}  # marked, not yet stopped
+        await trio.sleep(200)
+        await f.coordinator.checkpoint(tmp_path / "c1")  # retires it again, first: done now
+        assert f.dispatcher.to_retire["a"] == set()
+    assert [sealed.error for sealed in consumed] == [None, None]
