@@ -1070,9 +1070,55 @@ MUTATIONS = [
         ("tests/test_dispatch.py::test_a_retire_whose_copies_are_still_stopping_stays_queued",),
     ),
     Mutation(
+        "a stale row left DISPATCHED until its stream ends",
+        "trio_gym/trainer/dispatch.py",
+        "                attempt = ledger.move(key, AttemptState.ABANDONED)\n"
+        "                self.to_retire[host].add((attempt.rollout_id, attempt.number))\n"
+        '                log_event("attempt_stale"',
+        '                log_event("attempt_stale"',
+        (
+            "tests/test_dispatch.py::"
+            "test_a_stale_row_is_settled_at_once_so_a_checkpoint_does_not_wait_for_it",
+        ),
+    ),
+    Mutation(
+        "a dropped group id run again",
+        "trio_gym/trainer/dispatch.py",
+        "            elif group.dropped:",
+        "            elif False:",
+        ("tests/test_dispatch.py::test_a_dropped_group_id_is_not_run_again",),
+    ),
+    Mutation(
+        "re-sent at once after a loss",
+        "trio_gym/trainer/dispatch.py",
+        "            await trio.sleep(self.settings.resend_backoff_s)",
+        "            await trio.sleep(0)",
+        (
+            "tests/test_dispatch.py::"
+            "test_a_request_whose_answer_never_came_is_not_resent_under_the_same_id",
+        ),
+    ),
+    Mutation(
+        "a request too large to send counted as a loss",
+        "trio_gym/trainer/dispatch.py",
+        "        if error.origin is Origin.CLIENT:\n            raise GroupFailed",
+        "        if False:\n            raise GroupFailed",
+        (
+            "tests/test_dispatch.py::"
+            "test_a_request_too_large_to_send_fails_its_group_at_once_naming_the_cause",
+        ),
+        also=(
+            (
+                "trio_gym/trainer/dispatch.py",
+                "    unsent = error.origin is Origin.CLIENT or isinstance(",
+                "    unsent = isinstance(",
+            ),
+        ),
+    ),
+    Mutation(
         "two checkpoints at once on one coordinator",
         "trio_gym/trainer/coordinator.py",
-        "        if self._checkpointing:",
+        "        if self._busy:",
         "        if False:",
         ("tests/test_coordinator.py::test_a_second_checkpoint_while_one_is_under_way_is_refused",),
     ),
@@ -1106,7 +1152,7 @@ MUTATIONS = [
     Mutation(
         "a request whose head never came re-sent under the same id",
         "trio_gym/trainer/dispatch.py",
-        "    return refused_by_host or isinstance(error.__cause__, ConnectFailed)",
+        "    return refused_by_host or unsent",
         "    return True",
         (
             "tests/test_dispatch.py::"

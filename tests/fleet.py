@@ -82,6 +82,8 @@ class Fleet:
     """Host -> one event per connection the trainer opened to it (set one to cut it)."""
     mutes: dict[str, list[bool]]
     """Host -> whether each next connection is muted (popped as connections open)."""
+    opened: dict[str, list[float]]
+    """Host -> when (trio time) the trainer opened each connection to it."""
 
 
 def crash(f: Fleet) -> None:
@@ -111,20 +113,23 @@ async def fleet(
         handles = []
         cuts: dict[str, list[trio.Event]] = {}
         mutes: dict[str, list[bool]] = {}
+        opened: dict[str, list[float]] = {}
         for name in names:
             runner = counting[name] = CountingRunner((runners or {}).get(name, ExampleRunner()))
             config = ServeConfig(port=0, control_token=TOKEN, rollout_deadline_s=10**6)
             host = hosts[name] = Host(config, runner=runner, wall_time=wall)
             nursery.start_soon(host.checkpoints.watch_lease)
-            cuts[name], mutes[name] = [], []
-            opener = _opener(nursery, host, cuts[name], mutes[name])
+            cuts[name], mutes[name], opened[name] = [], [], []
+            opener = _opener(nursery, host, cuts[name], mutes[name], opened[name])
             url = f"http://{name}.invalid:8080"
             settings = client or ClientSettings(request_deadline_s=10**7)
             handles.append(
                 RemoteHost(
                     name,
                     RolloutClient(url, settings, opener=opener, deadlines=deadlines),
-                    HostControl(url, TOKEN, opener=_opener(nursery, host, [], []), wall_time=wall),
+                    HostControl(
+                        url, TOKEN, opener=_opener(nursery, host, [], [], []), wall_time=wall
+                    ),
                 )
             )
         dispatcher = Dispatcher(
@@ -135,12 +140,21 @@ async def fleet(
             settings=checkpoint,
             trainer_state=lambda: {"consumed": [attrs.asdict(r) for r in consumed]},
         )
-        yield Fleet(hosts, counting, dispatcher, coordinator, consumed, nursery, cuts, mutes)
+        yield Fleet(
+            hosts, counting, dispatcher, coordinator, consumed, nursery, cuts, mutes, opened
+        )
         nursery.cancel_scope.cancel()
 
 
-def _opener(nursery: trio.Nursery, host: Host, cuts: list[trio.Event], mutes: list[bool]) -> Any:
+def _opener(
+    nursery: trio.Nursery,
+    host: Host,
+    cuts: list[trio.Event],
+    mutes: list[bool],
+    opened: list[float],
+) -> Any:
     async def open_stream(endpoint: Any) -> trio.abc.Stream:
+        opened.append(trio.current_time())
         trainer_end, host_end = trio.testing.memory_stream_pair()
         nursery.start_soon(handle_connection, host, host_end)
         cut = trio.Event()

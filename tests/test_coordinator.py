@@ -400,4 +400,6 @@ async def test_a_second_checkpoint_while_one_is_under_way_is_refused(
         await trio.sleep(5)
         with pytest.raises(RuntimeError, match="already under way"):
             await f.coordinator.checkpoint(tmp_path / "c2")
+        with pytest.raises(RuntimeError, match="already under way"):
+            await f.coordinator.restore(tmp_path / "c0")
     assert (tmp_path / "c1" / MANIFEST_NAME).exists() and not (tmp_path / "c2").exists()

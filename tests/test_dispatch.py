@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import trio
 from tests.fleet import calendar, crash, fleet, uninterrupted
 from trio_gym.runners import ExampleContext, ExampleRunner
 from trio_gym.trainer import ClientSettings, RolloutClient
+from trio_gym.trainer.coordinator import CheckpointCoordinator, CheckpointSettings
 from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, GroupFailed, SealedResult
 from trio_gym.trainer.ledger import AttemptState, Ledger, LedgerError
 
@@ -234,6 +236,8 @@ async def test_a_request_whose_answer_never_came_is_not_resent_under_the_same_id
         [(f"g.0@{token}", 0, "abandoned"), (f"g.0@{token}.g1", 0, "sealed")]
     ]
     assert len(f.cuts["a"]) == 2  # the host took the first request; it was never re-sent
+    first, second = f.opened["a"]
+    assert second - first == 30 + DispatchSettings().resend_backoff_s  # deadline, then a pause
 
 
 class StubbornRunner(ExampleRunner):
@@ -272,3 +276,40 @@ async def test_a_retire_whose_copies_are_still_stopping_stays_queued(
         await f.coordinator.checkpoint(tmp_path / "c1")  # retires it again, first: done now
         assert f.dispatcher.to_retire["a"] == set()
     assert [sealed.error for sealed in consumed] == [None, None]
+
+
+async def test_a_stale_row_is_settled_at_once_so_a_checkpoint_does_not_wait_for_it(
+    autojump_clock: trio.abc.Clock, tmp_path: Any
+) -> None:
+    async with fleet(("a",)) as f:
+        await die_while_running(f, [calendar(1, think_s=100)])  # g.0 still runs on a
+        same = Ledger(incarnation=f.dispatcher.ledger.incarnation)
+        again = Dispatcher(list(f.dispatcher.hosts.values()), lambda sealed: None, ledger=same)
+        coordinator = CheckpointCoordinator(again, settings=CheckpointSettings(drain_timeout_s=30))
+        async with trio.open_nursery() as nursery:
+            # g.0 is refused stale_attempt; g.1 runs on in the same stream, parked by the
+            # checkpoint, so that stream cannot end before the checkpoint does.
+            group = [calendar(1, think_s=100), calendar(2, think_s=10)]
+            nursery.start_soon(partial(again.run_group, "g", group, hosts=["a", "a"]))
+            await trio.sleep(5)
+            manifest = await coordinator.checkpoint(tmp_path / "c1")
+            nursery.cancel_scope.cancel()
+    assert manifest.hosts[0].episodes == [f"g.1@{same.incarnation}"]
+
+
+async def test_a_dropped_group_id_is_not_run_again(autojump_clock: trio.abc.Clock) -> None:
+    async with fleet(("a",)) as f:
+        with trio.move_on_after(3):
+            await f.dispatcher.run_group("g", [calendar(1, think_s=100)])
+        with pytest.raises(ValueError, match="'g' was given up"):
+            await f.dispatcher.run_group("g", [calendar(1, think_s=100)])
+
+
+async def test_a_request_too_large_to_send_fails_its_group_at_once_naming_the_cause(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with fleet(("a",), client=ClientSettings(max_request_bytes=100)) as f:
+        with pytest.raises(GroupFailed, match="lower the chunk size"):
+            await f.dispatcher.run_group("g", [calendar(1), calendar(2)])
+    assert f.opened["a"] == []  # nothing was sent, and nothing is retired or re-sent
+    assert f.dispatcher.to_retire["a"] == set()

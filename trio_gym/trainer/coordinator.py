@@ -26,9 +26,10 @@ restored episode is then dispatched exactly once, as attempt + 1, on its origina
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -135,19 +136,14 @@ class CheckpointCoordinator:
         self.settings = settings or CheckpointSettings()
         self.trainer_state = trainer_state
         self.consecutive_failures = 0
-        self._checkpointing = False
+        self._busy = False
 
     # --- checkpoint -------------------------------------------------------------------------
 
     async def checkpoint(self, directory: Path) -> CheckpointManifest:
         """Take one checkpoint into ``directory`` (created if needed); its manifest."""
-        if self._checkpointing:
-            raise RuntimeError("a checkpoint is already under way; await it before the next")
-        self._checkpointing = True
-        try:
+        with self._one_at_a_time():
             return await self._checkpoint(directory)
-        finally:
-            self._checkpointing = False
 
     async def _checkpoint(self, directory: Path) -> CheckpointManifest:
         checkpoint_id = f"ckpt-{uuid.uuid4().hex[:16]}"
@@ -411,6 +407,22 @@ class CheckpointCoordinator:
 
     async def restore(self, directory: Path) -> Restored:
         """Restore the checkpoint in ``directory`` into this (fresh) dispatcher and its hosts."""
+        with self._one_at_a_time():
+            return await self._restore(directory)
+
+    @contextlib.contextmanager
+    def _one_at_a_time(self) -> Iterator[None]:
+        """A checkpoint or a restore at a time: two at once is a trainer bug, not a condition
+        to retry."""
+        if self._busy:
+            raise RuntimeError("a checkpoint or restore is already under way; await it first")
+        self._busy = True
+        try:
+            yield
+        finally:
+            self._busy = False
+
+    async def _restore(self, directory: Path) -> Restored:
         manifest, ledger = _loaded(directory)
         source = manifest.checkpoint_id
         if self.dispatcher.ledger.groups:

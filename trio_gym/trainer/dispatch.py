@@ -47,7 +47,7 @@ from trio_gym.trainer.deadlines import DeadlineRegistry
 from trio_gym.trainer.errors import Origin, RolloutError
 from trio_gym.trainer.gate import DispatchGate
 from trio_gym.trainer.ledger import Attempt, AttemptState, Ledger
-from trio_gym.trainer.stream import Row, RowError
+from trio_gym.trainer.stream import Row, RowError, RowStream
 
 ADMISSION_CLOSED: Final = "admission_closed"
 STALE_ATTEMPT: Final = "stale_attempt"
@@ -107,7 +107,9 @@ class DispatchSettings:
     admission_retry_s: float = 1.0
     """The pause before re-sending a refused row while this trainer's own gate is open (the
     host's admission was closed by something else)."""
-    unreached_backoff_s: float = 1.0
+    resend_backoff_s: float = 1.0
+    """The pause before re-sending after a request did not reach its host, or after a loss (a
+    short proxy outage must not use up ``max_losses`` in milliseconds)."""
     retire_timeout_s: float = 30.0
 
 
@@ -157,6 +159,10 @@ class Dispatcher:
             if group is None:
                 assigned = list(hosts) if hosts is not None else self._assign(len(examples))
                 group = ledger.add_group(group_id, assigned)
+            elif group.dropped:
+                raise ValueError(
+                    f"group {group_id!r} was given up (dropped); run it again under a new id"
+                )
             elif len(group.siblings) != len(examples):
                 raise ValueError(
                     f"group {group_id!r} has {len(group.siblings)} siblings in the ledger; "
@@ -251,44 +257,65 @@ class Dispatcher:
         ]
         rows = self.hosts[host].client.stream(payload)
         try:
-            async with self.gate.admission():
-                async with self.ledger.mutation() as ledger:
-                    for key in keys:
-                        ledger.dispatch(key, host)
-                try:
-                    await rows.start()
-                    unanswered = None
-                except RolloutError as error:
-                    unanswered = error
-                if unanswered is not None and _never_reached(unanswered):
-                    await self._unreached(keys, unanswered, budget)
-            if unanswered is not None:
-                if _never_reached(unanswered):
-                    await trio.sleep(self.settings.unreached_backoff_s)
-                else:  # the host may have taken the batch: never re-sent under these ids
-                    log_event("request_unanswered", host=host, error=str(unanswered))
-                    await self._lose(host, keys)
-                return
-            lost = []
-            try:
-                async for row in rows:
-                    if await self._settle(keys[row.index], row, budget):
-                        lost.append(keys[row.index])
-            except RolloutError as error:
-                log_event("stream_cut", host=host, error=str(error), missing=len(rows.missing))
-            await self._lose(host, lost + [keys[index] for index in rows.missing])
+            unanswered = await self._submit(host, keys, rows, budget)
+            if unanswered is None:
+                lost_some = await self._read_rows(host, keys, rows, budget)
+            elif _never_reached(unanswered):
+                lost_some = False
+            else:  # the host may have taken the batch: never re-sent under these ids
+                log_event("request_unanswered", host=host, error=str(unanswered))
+                await self._lose(host, keys)
+                lost_some = True
         finally:
             await rows.aclose()
-        refused = any(self.ledger.attempt(key).state is AttemptState.RESERVED for key in keys)
-        if refused and self.gate.is_open:
-            # The host's admission was closed by something other than this trainer's gate
-            # (which would hold the re-send until it opens): wait as its Retry-After asks.
+        if unanswered is not None or lost_some:
+            await trio.sleep(self.settings.resend_backoff_s)
+        elif self.gate.is_open and any(
+            self.ledger.attempt(key).state is AttemptState.RESERVED for key in keys
+        ):
+            # Refused admission_closed by something other than this trainer's gate (which
+            # would hold the re-send until it opens): wait as the host's Retry-After asks.
             await trio.sleep(self.settings.admission_retry_s)
 
-    async def _settle(self, key: str, row: Row, budget: _Budget) -> bool:
-        """Record one row; True if it says this attempt cannot run on its host (``stale_attempt``:
-        the host holds or retired this identity, e.g. a dead trainer process's copy), which is
-        a loss, not the episode's outcome."""
+    async def _submit(
+        self, host: str, keys: list[str], rows: RowStream, budget: _Budget
+    ) -> RolloutError | None:
+        """Mark and send inside one gate admission, held until the host's answer head; the
+        error if no head came (attempts that certainly never reached the host are RESERVED
+        again before the admission ends)."""
+        async with self.gate.admission():
+            async with self.ledger.mutation() as ledger:
+                for key in keys:
+                    ledger.dispatch(key, host)
+            try:
+                await rows.start()
+            except RolloutError as error:
+                if _never_reached(error):
+                    await self._unreached(keys, error, budget)
+                return error
+            return None
+
+    async def _read_rows(
+        self, host: str, keys: list[str], rows: RowStream, budget: _Budget
+    ) -> bool:
+        """Settle each row as it comes; rows that never came are lost. True if any was lost."""
+        stale = False
+        try:
+            async for row in rows:
+                stale |= await self._settle(host, keys[row.index], row, budget)
+        except RolloutError as error:
+            log_event("stream_cut", host=host, error=str(error), missing=len(rows.missing))
+        missing = [keys[index] for index in rows.missing]
+        await self._lose(host, missing)
+        if stale and not missing:
+            await self._retire_now(host)
+        return stale or bool(missing)
+
+    async def _settle(self, host: str, key: str, row: Row, budget: _Budget) -> bool:
+        """Record one row. ``stale_attempt`` (the host holds or retired this identity, e.g. a
+        dead trainer process's copy) is a loss, not the episode's outcome: ABANDONED and queued
+        to retire at once, in this mutation (a checkpoint's drain must not wait for it); True
+        then."""
         async with self.ledger.mutation() as ledger:
             code = row.error.code if row.error is not None else None
             if code == ADMISSION_CLOSED:
@@ -297,6 +324,8 @@ class Dispatcher:
                 budget.refused(key, self.settings.max_admission_refusals)
                 return False
             if code == STALE_ATTEMPT:
+                attempt = ledger.move(key, AttemptState.ABANDONED)
+                self.to_retire[host].add((attempt.rollout_id, attempt.number))
                 log_event("attempt_stale", key=key, message=row.error.message if row.error else "")
                 return True
             attempt = ledger.move(key, AttemptState.SEALED)
@@ -316,13 +345,18 @@ class Dispatcher:
 
     async def _unreached(self, keys: list[str], error: RolloutError, budget: _Budget) -> None:
         """The request certainly never reached its host's episodes: they keep their identity
-        (a host refusal it may accept later, or a connection that never opened)."""
-        if error.status is not None and error.status not in UNREACHED_STATUSES:
-            raise GroupFailed(f"the host refused the request: {error}") from error
+        (a host refusal it may accept later, or a connection that never opened). A request
+        that can never be sent as it is (too large) or that the host refuses for good fails
+        the group at once, naming why."""
         async with self.ledger.mutation() as ledger:
             for key in keys:
-                ledger.move(key, AttemptState.RESERVED)
-                budget.unreached(key, self.settings.max_unreached, error)
+                ledger.move(key, AttemptState.RESERVED)  # no host holds them: nothing to retire
+        if error.origin is Origin.CLIENT:
+            raise GroupFailed(f"the request cannot be sent: {error}") from error
+        if error.status is not None and error.status not in UNREACHED_STATUSES:
+            raise GroupFailed(f"the host refused the request: {error}") from error
+        for key in keys:
+            budget.unreached(key, self.settings.max_unreached, error)
         log_event("request_unreached", keys=len(keys), error=str(error))
 
     async def _lose(self, host: str, keys: list[str]) -> None:
@@ -334,6 +368,11 @@ class Dispatcher:
             for key in keys:
                 attempt = ledger.move(key, AttemptState.ABANDONED)
                 self.to_retire[host].add((attempt.rollout_id, attempt.number))
+        await self._retire_now(host)
+
+    async def _retire_now(self, host: str) -> None:
+        """Retire what ``host`` has queued, under dispatch admission (the host accepts a retire
+        only when no checkpoint is open); a failure is logged and left to the next checkpoint."""
         async with self.gate.admission():
             try:
                 await self.retire_queued(host)
@@ -352,8 +391,9 @@ class Dispatcher:
         reply = await control.retire(
             f"retire-{uuid.uuid4().hex[:16]}", queued, timeout_s=self.settings.retire_timeout_s
         )
-        still = reply.get("still_stopping", {}).get("count", 0)
-        if still:  # marked, but some copies had not ended by the deadline: not done yet
+        stopping = reply.get("still_stopping")
+        still = stopping.get("count") if isinstance(stopping, dict) else "unknown"
+        if still != 0:  # marked, but some copies had not ended by the deadline: not done yet
             log_event("retire_unfinished", host=host, still_stopping=still)
             return
         self.to_retire[host].difference_update(queued)
@@ -385,8 +425,10 @@ class _Budget:
 
 
 def _never_reached(error: RolloutError) -> bool:
-    """Whether the host certainly did not take the request's episodes: the connection never
-    opened, or the host itself refused the request (it refuses before admitting anything). A
-    missing head otherwise (a timeout, a reset, a proxy's 502) may hide a batch it took."""
+    """Whether the host certainly did not take the request's episodes: nothing was sent (the
+    request is too large), the connection never opened, or the host itself refused the request
+    (it refuses before admitting anything). A missing head otherwise (a timeout, a reset, a
+    proxy's 502) may hide a batch it took."""
     refused_by_host = error.origin is Origin.SANDBOX and error.status is not None
-    return refused_by_host or isinstance(error.__cause__, ConnectFailed)
+    unsent = error.origin is Origin.CLIENT or isinstance(error.__cause__, ConnectFailed)
+    return refused_by_host or unsent
