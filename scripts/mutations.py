@@ -880,14 +880,14 @@ MUTATIONS = [
     Mutation(
         "an attempt marked DISPATCHED before it waits at the gate",
         "trio_gym/trainer/dispatch.py",
-        "            async with self.gate.admission():\n"
-        "                async with self.ledger.mutation() as ledger:\n"
-        "                    for key in keys:\n"
-        "                        ledger.dispatch(key, host)\n",
+        "        async with self.gate.admission():\n"
         "            async with self.ledger.mutation() as ledger:\n"
         "                for key in keys:\n"
-        "                    ledger.dispatch(key, host)\n"
-        "            async with self.gate.admission():\n",
+        "                    ledger.dispatch(key, host)\n",
+        "        async with self.ledger.mutation() as ledger:\n"
+        "            for key in keys:\n"
+        "                ledger.dispatch(key, host)\n"
+        "        async with self.gate.admission():\n",
         (
             "tests/test_dispatch.py::"
             "test_an_attempt_waiting_at_the_closed_gate_is_not_marked_dispatched",
@@ -1065,7 +1065,7 @@ MUTATIONS = [
     Mutation(
         "a retire whose copies are still stopping counted as done",
         "trio_gym/trainer/dispatch.py",
-        "        if still:",
+        "        if still != 0:",
         "        if False:",
         ("tests/test_dispatch.py::test_a_retire_whose_copies_are_still_stopping_stays_queued",),
     ),
