@@ -949,10 +949,12 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "hosts not resumed when a checkpoint fails",
+        "hosts resumed only when a checkpoint succeeds",
         "trio_gym/trainer/coordinator.py",
-        "            except BaseException:\n                await self._resume_everywhere(checkpoint_id)",
-        "            except BaseException:\n                pass",
+        "            try:\n"
+        "                manifest = await self._take(checkpoint_id, directory)\n"
+        "            finally:",
+        "            manifest = await self._take(checkpoint_id, directory)\n            if True:",
         (
             "tests/test_coordinator.py::"
             "test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_aborted",
@@ -1113,6 +1115,15 @@ MUTATIONS = [
                 "    unsent = error.origin is Origin.CLIENT or isinstance(",
                 "    unsent = isinstance(",
             ),
+        ),
+    ),
+    Mutation(
+        "a cancelled group not dropped",
+        "trio_gym/trainer/dispatch.py",
+        "            if not finished:\n",
+        "            if False:\n",
+        (
+            "tests/test_dispatch.py::test_a_dropped_group_is_retired_by_the_next_checkpoint_before_prepare",
         ),
     ),
     Mutation(

@@ -154,10 +154,8 @@ class CheckpointCoordinator:
         try:
             try:
                 manifest = await self._take(checkpoint_id, directory)
-            except BaseException:
+            finally:  # on every path, cancellation included (the resume is shielded, bounded)
                 await self._resume_everywhere(checkpoint_id)
-                raise
-            await self._resume_everywhere(checkpoint_id)
         except (ControlError, DrainTimeout, CheckpointUnavailable) as failure:
             self.consecutive_failures += 1
             reason = f"checkpoint {checkpoint_id} unavailable: {failure}"

@@ -170,13 +170,15 @@ class Dispatcher:
                 )
         budget = _Budget()
         used = sorted({sibling.current.host for sibling in group.siblings})
+        finished = False
         try:
             await self._on_each_host(group_id, used, examples, budget)
-        except BaseException:
-            with trio.CancelScope(shield=True) as scope:
-                scope.deadline = trio.current_time() + DROP_GRACE_S
-                await self._drop(group_id)
-            raise
+            finished = True
+        finally:  # cancelled or failed: the group is given up (cleanup under a bounded shield)
+            if not finished:
+                with trio.CancelScope(shield=True) as scope:
+                    scope.deadline = trio.current_time() + DROP_GRACE_S
+                    await self._drop(group_id)
 
     async def _on_each_host(
         self,
