@@ -983,8 +983,8 @@ MUTATIONS = [
     Mutation(
         "exported episodes not checked against the ledger",
         "trio_gym/trainer/coordinator.py",
-        "        for host, export in exports.items():\n            owned = []",
-        "        for host, export in {}.items():\n            owned = []",
+        "        for host, export in exports.items():\n            for key in export.episodes:",
+        "        for host, export in {}.items():\n            for key in export.episodes:",
         (
             "tests/test_coordinator.py::test_an_episode_the_trainer_never_dispatched_aborts_the_checkpoint",
         ),

@@ -315,7 +315,8 @@ class CheckpointCoordinator:
 
     def _check_ownership(self, checkpoint_id: str, exports: dict[str, HostExport]) -> set[str]:
         """Every exported episode is one the ledger has dispatched to that host and not yet
-        settled; an attempt the ledger lost meanwhile is left out (it is queued to retire)."""
+        settled, or one it lost meanwhile and queued to retire (the manifest leaves those out:
+        :func:`_still_owned`). Returns every exported key."""
         dispatcher = self.dispatcher
         ledger = dispatcher.ledger
         owners: dict[str, str] = {}
@@ -328,7 +329,6 @@ class CheckpointCoordinator:
                     )
                 owners[key] = host
         for host, export in exports.items():
-            owned = []
             for key in export.episodes:
                 try:
                     attempt, current = ledger.attempt(key), ledger.sibling_of(key).current
@@ -353,8 +353,6 @@ class CheckpointCoordinator:
                         f"{attempt.state.value}",
                         checkpoint_id,
                     )
-                owned.append(key)
-            exports[host] = export.model_copy(update={"episodes": owned})
         return set(owners)
 
     async def _resume_everywhere(self, checkpoint_id: str) -> None:
@@ -638,12 +636,7 @@ def _still_owned(export: HostExport, ledger: Ledger) -> HostExport:
     """``export`` without the episodes the ledger gave up since the commit (a group dropped or
     a parked episode's stream cut during the drain): a restore must not bring those back, and
     their attempts are queued to retire."""
-    owned = [
-        key
-        for key in export.episodes
-        if ledger.attempt(key).state is AttemptState.DISPATCHED
-        and ledger.sibling_of(key).current is ledger.attempt(key)
-    ]
+    owned = [key for key in export.episodes if ledger.in_flight(key)]
     return export.model_copy(update={"episodes": owned})
 
 

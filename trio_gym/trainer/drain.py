@@ -14,11 +14,9 @@ from typing import Any, Final
 
 import trio
 
-from .ledger import AttemptState, Ledger
+from .ledger import Ledger
 
 SAMPLE: Final = 8
-SETTLED: Final = frozenset({AttemptState.SEALED, AttemptState.ABANDONED, AttemptState.RESERVED})
-"""No reply can still come: sealed, given up, or refused at admission (back to RESERVED)."""
 
 
 class DrainTimeout(Exception):
@@ -41,20 +39,15 @@ class DrainTimeout(Exception):
         )
 
 
-def _settled(ledger: Ledger, key: str) -> bool:
-    sibling = ledger.sibling_of(key)
-    attempt = ledger.attempt(key)
-    return attempt.state in SETTLED or sibling.current is not attempt
-
-
 async def drain(ledger: Ledger, keys: Iterable[str], timeout_s: float) -> None:
-    """Return once no attempt in ``keys`` is DISPATCHED (or each is superseded); raise
+    """Return once no attempt in ``keys`` is in flight (sealed, given up, refused at admission
+    back to RESERVED, or superseded); raise
     :class:`DrainTimeout` if some are not within ``timeout_s``."""
     pending = set(keys)
     with trio.move_on_after(timeout_s):
         while True:
             cursor = ledger.mutations  # read before looking: a change after it wakes us at once
-            pending = {key for key in pending if not _settled(ledger, key)}
+            pending = {key for key in pending if ledger.in_flight(key)}
             if not pending:
                 return
             await ledger.wait_for_mutation(cursor)

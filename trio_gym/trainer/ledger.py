@@ -154,6 +154,12 @@ class Ledger:
     def sibling_of(self, key: str) -> Sibling:
         return self._by_key[key][0]
 
+    def in_flight(self, key: str) -> bool:
+        """Whether ``key`` is its sibling's current attempt and DISPATCHED: a host may hold it
+        and its reply may still come."""
+        sibling, attempt = self._by_key[key]
+        return attempt.state is AttemptState.DISPATCHED and sibling.current is attempt
+
     def in_state(self, state: AttemptState) -> Iterator[Attempt]:
         for sibling, attempt in self._by_key.values():
             if attempt.state is state and sibling.current is attempt:

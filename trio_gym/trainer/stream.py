@@ -76,11 +76,6 @@ class RowStream:
         self.summary: StreamSummary | None = None
 
     @property
-    def answered(self) -> bool:
-        """Whether the host answered the request (its head arrived): it has the batch."""
-        return self._head is not None
-
-    @property
     def missing(self) -> list[int]:
         """Indices of the examples that have no row (yet)."""
         return [index for index in range(len(self._examples)) if index not in self.seen]
