@@ -1015,8 +1015,8 @@ MUTATIONS = [
     Mutation(
         "restore skips the topology check (live participants)",
         "trio_gym/trainer/coordinator.py",
-        "        await self._check_live_topology(manifest)",
-        "        pass",
+        "        statuses = await self._check_live_topology(manifest)",
+        "        statuses = await self._statuses()",
         (
             "tests/test_coordinator_hosts.py::"
             "test_restores_that_do_not_fit_live_hosts_or_their_files_change_nothing",
@@ -1074,8 +1074,7 @@ MUTATIONS = [
     Mutation(
         "a stale row left DISPATCHED until its stream ends",
         "trio_gym/trainer/dispatch.py",
-        "                attempt = ledger.move(key, AttemptState.ABANDONED)\n"
-        "                self.to_retire[host].add((attempt.rollout_id, attempt.number))\n"
+        "                self._queue_retire(ledger.move(key, AttemptState.ABANDONED))\n"
         '                log_event("attempt_stale"',
         '                log_event("attempt_stale"',
         (

@@ -356,25 +356,29 @@ class CheckpointCoordinator:
         return set(owners)
 
     async def _resume_everywhere(self, checkpoint_id: str) -> None:
-        """Resume every host, each bounded by its call deadline; a host that does not answer
-        is logged (its lease resumes it) and never replaces the error that brought us here."""
+        """Resume every host; one that does not answer is logged (its lease resumes it)."""
+        timeout = self.settings.control_timeout_s
+        await self._every_host_regardless(
+            lambda host: self.dispatcher.hosts[host].control.resume(
+                checkpoint_id, timeout_s=timeout
+            ),
+            calls=1,
+            event="resume_failed",
+        )
+
+    async def _every_host_regardless(
+        self, call: Callable[[str], Awaitable[object]], *, calls: int, event: str
+    ) -> None:
+        """:meth:`_every_host`, on every path: under a shield bounded by ``calls`` control calls
+        (each its deadline plus the reply grace), and a failure is logged, never raised — it
+        must not replace the error that brought us here."""
         timeout = self.settings.control_timeout_s
         with trio.CancelScope(shield=True) as scope:
-            scope.deadline = trio.current_time() + timeout + REPLY_GRACE_S + 1
-
-            async def resume(host: str) -> None:
-                try:
-                    await self.dispatcher.hosts[host].control.resume(
-                        checkpoint_id, timeout_s=timeout
-                    )
-                except ControlError as error:
-                    log_event(
-                        "resume_failed", host=host, checkpoint_id=checkpoint_id, error=str(error)
-                    )
-
-            async with trio.open_nursery() as nursery:
-                for host in self.dispatcher.hosts:
-                    nursery.start_soon(resume, host)
+            scope.deadline = trio.current_time() + calls * (timeout + REPLY_GRACE_S) + 1
+            try:
+                await self._every_host(call)
+            except (CheckpointUnavailable, CheckpointAborted) as failure:
+                log_event(event, error=str(failure))
 
     async def _every_host(self, call: Callable[[str], Awaitable[T]]) -> dict[str, T]:
         """``call`` on every host concurrently; its replies by host, or one error naming each
@@ -428,7 +432,7 @@ class CheckpointCoordinator:
                 source,
             )
         self._check_files(manifest, ledger)
-        await self._check_live_topology(manifest)
+        statuses = await self._check_live_topology(manifest)
         exports = {host.instance: host for host in manifest.hosts if host.episodes}
         successors = {
             name: [(a.rollout_id, a.number + 1) for a in map(ledger.attempt, export.episodes)]
@@ -436,7 +440,9 @@ class CheckpointCoordinator:
         }
         restore_id = f"restore-{uuid.uuid4().hex[:16]}"
         try:
-            await self._every_host(lambda host: self._take_over(host, successors.get(host, [])))
+            await self._every_host(
+                lambda host: self._take_over(host, statuses[host], successors.get(host, []))
+            )
         except (CheckpointUnavailable, CheckpointAborted) as failure:
             raise RestoreFailed(
                 f"restoring {source}: taking over the hosts failed, nothing was restored: "
@@ -514,12 +520,16 @@ class CheckpointCoordinator:
                         source,
                     )
 
-    async def _check_live_topology(self, manifest: CheckpointManifest) -> None:
+    async def _statuses(self) -> dict[str, dict[str, Any]]:
         timeout = self.settings.control_timeout_s
+        return await self._every_host(
+            lambda host: self.dispatcher.hosts[host].control.status(timeout_s=timeout)
+        )
+
+    async def _check_live_topology(self, manifest: CheckpointManifest) -> dict[str, dict[str, Any]]:
+        """Each live host's participants are the manifest's; every host's status."""
         try:
-            statuses = await self._every_host(
-                lambda host: self.dispatcher.hosts[host].control.status(timeout_s=timeout)
-            )
+            statuses = await self._statuses()
         except (CheckpointUnavailable, CheckpointAborted) as failure:
             raise RestoreFailed(
                 f"restoring {manifest.checkpoint_id}: the hosts' status could not be read, "
@@ -535,18 +545,22 @@ class CheckpointCoordinator:
                     f"{sorted(saved)}",
                     manifest.checkpoint_id,
                 )
+        return statuses
 
     async def take_over(self) -> None:
         """Make every host idle: resume a checkpoint an earlier trainer process left open (its
         lease would do it, later). A trainer starting without a checkpoint calls this first."""
-        await self._every_host(lambda host: self._take_over(host, []))
+        statuses = await self._statuses()
+        await self._every_host(lambda host: self._take_over(host, statuses[host], []))
 
-    async def _take_over(self, host: str, successors: list[tuple[str, int]]) -> None:
-        """Make ``host`` idle and clear what an earlier trainer left of these episodes there (a
-        checkpoint it never resumed, an earlier restore of the same export)."""
+    async def _take_over(
+        self, host: str, status: dict[str, Any], successors: list[tuple[str, int]]
+    ) -> None:
+        """Make ``host`` (whose ``status`` was just read) idle and clear what an earlier trainer
+        left of these episodes there (a checkpoint it never resumed, an earlier restore of the
+        same export)."""
         control = self.dispatcher.hosts[host].control
         timeout = self.settings.control_timeout_s
-        status = await control.status(timeout_s=timeout)
         if status["phase"] != "idle":
             await control.resume(status["checkpoint_id"], timeout_s=timeout)
         if not successors:
@@ -581,22 +595,16 @@ class CheckpointCoordinator:
     async def _undo_restore(
         self, restore_id: str, successors: dict[str, list[tuple[str, int]]]
     ) -> None:
+        """Every host retires what it restored (if anything) and resumes."""
         timeout = self.settings.control_timeout_s
 
         async def undo(host: str) -> None:
             control = self.dispatcher.hosts[host].control
-            try:
-                if successors.get(host):
-                    await control.retire(restore_id, successors[host], timeout_s=timeout)
-                await control.resume(restore_id, timeout_s=timeout)
-            except ControlError as error:
-                log_event("restore_undo_failed", host=host, error=str(error))
+            if successors.get(host):
+                await control.retire(restore_id, successors[host], timeout_s=timeout)
+            await control.resume(restore_id, timeout_s=timeout)
 
-        with trio.CancelScope(shield=True) as scope:
-            scope.deadline = trio.current_time() + 2 * (timeout + REPLY_GRACE_S) + 1
-            async with trio.open_nursery() as nursery:
-                for host in self.dispatcher.hosts:
-                    nursery.start_soon(undo, host)
+        await self._every_host_regardless(undo, calls=2, event="restore_undo_failed")
 
 
 class _CommittedParticipant(Participant):

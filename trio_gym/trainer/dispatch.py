@@ -236,7 +236,7 @@ class Dispatcher:
         still run are queued for the next checkpoint to retire."""
         async with self.ledger.mutation() as ledger:
             for attempt in ledger.drop(group_id):
-                self.to_retire[attempt.host].add((attempt.rollout_id, attempt.number))
+                self._queue_retire(attempt)
         log_event("group_dropped", group=group_id)
 
     # --- one request ------------------------------------------------------------------------
@@ -304,7 +304,7 @@ class Dispatcher:
         stale = False
         try:
             async for row in rows:
-                stale |= await self._settle(host, keys[row.index], row, budget)
+                stale |= await self._settle(keys[row.index], row, budget)
         except RolloutError as error:
             log_event("stream_cut", host=host, error=str(error), missing=len(rows.missing))
         missing = [keys[index] for index in rows.missing]
@@ -313,7 +313,7 @@ class Dispatcher:
             await self._retire_now(host)
         return stale or bool(missing)
 
-    async def _settle(self, host: str, key: str, row: Row, budget: _Budget) -> bool:
+    async def _settle(self, key: str, row: Row, budget: _Budget) -> bool:
         """Record one row. ``stale_attempt`` (the host holds or retired this identity, e.g. a
         dead trainer process's copy) is a loss, not the episode's outcome: ABANDONED and queued
         to retire at once, in this mutation (a checkpoint's drain must not wait for it); True
@@ -326,8 +326,7 @@ class Dispatcher:
                 budget.refused(key, self.settings.max_admission_refusals)
                 return False
             if code == STALE_ATTEMPT:
-                attempt = ledger.move(key, AttemptState.ABANDONED)
-                self.to_retire[host].add((attempt.rollout_id, attempt.number))
+                self._queue_retire(ledger.move(key, AttemptState.ABANDONED))
                 log_event("attempt_stale", key=key, message=row.error.message if row.error else "")
                 return True
             attempt = ledger.move(key, AttemptState.SEALED)
@@ -368,8 +367,7 @@ class Dispatcher:
             return
         async with self.ledger.mutation() as ledger:
             for key in keys:
-                attempt = ledger.move(key, AttemptState.ABANDONED)
-                self.to_retire[host].add((attempt.rollout_id, attempt.number))
+                self._queue_retire(ledger.move(key, AttemptState.ABANDONED))
         await self._retire_now(host)
 
     async def _retire_now(self, host: str) -> None:
@@ -382,6 +380,10 @@ class Dispatcher:
                 log_event("retire_deferred", host=host, error=str(error))
 
     # --- retiring ---------------------------------------------------------------------------
+
+    def _queue_retire(self, attempt: Attempt) -> None:
+        """Remember an attempt the ledger gave up that its host may still run."""
+        self.to_retire[attempt.host].add((attempt.rollout_id, attempt.number))
 
     async def retire_queued(self, host: str) -> None:
         """Retire what ``host`` may still run of attempts the ledger gave up; those retired
