@@ -2,8 +2,12 @@
 
 Written with h11 directly (not with the project's HTTP layer, which they test). The agent
 server's ``/run`` does what each example's ``_fake`` key asks: answer after ``delay_s``, answer
-with ``status``, ``hang`` until the caller leaves, or ``drop`` the connection. Like Gym's
-servers, it watches for the caller leaving while it works and cancels the work when it does.
+with ``status`` (``json_error`` makes the body a JSON string, as Gym's agents answer), ``hang``
+until the caller leaves, ``drop`` the connection, or answer a Gym failure record
+(``failure_class``) for the first ``fail_times`` requests of its ``key``, ``terminal`` or not.
+Like Gym's servers, it watches for the caller leaving while it works and cancels the work when
+it does. An episode request (``{episode_id, task}``, a taskset row) takes its ``_fake`` from
+``task.task_input`` and is answered with an episode response.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import trio
 import yaml
 
 
-async def read_request(stream: trio.SocketStream) -> tuple[h11.Request, bytes]:
+async def read_request(stream: trio.abc.Stream) -> tuple[h11.Request, bytes]:
     parser = h11.Connection(h11.SERVER)
     head: h11.Request | None = None
     body = b""
@@ -35,7 +39,7 @@ async def read_request(stream: trio.SocketStream) -> tuple[h11.Request, bytes]:
             raise EOFError(repr(event))
 
 
-async def respond(stream: trio.SocketStream, status: int, body: bytes) -> None:
+async def respond(stream: trio.abc.Stream, status: int, body: bytes) -> None:
     head = (
         f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\n"
         f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
@@ -51,6 +55,7 @@ class FakeAgentServer:
         self.running = 0
         self.peak = 0
         self.disconnects = 0
+        self.failures_sent: dict[str, int] = {}
         self._changed = trio.Event()
 
     def _note(self) -> None:
@@ -65,9 +70,9 @@ class FakeAgentServer:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         self.port = listeners[0].socket.getsockname()[1]
         task_status.started(self.port)
-        await trio.serve_listeners(self._handle, listeners)
+        await trio.serve_listeners(self.handle, listeners)
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def handle(self, stream: trio.abc.Stream) -> None:
         try:
             head, body = await read_request(stream)
         except (EOFError, trio.BrokenResourceError):
@@ -93,7 +98,7 @@ class FakeAgentServer:
             self._note()
 
     async def _watch_for_departure(
-        self, stream: trio.SocketStream, scope: trio.CancelScope, answering: list[bool]
+        self, stream: trio.abc.Stream, scope: trio.CancelScope, answering: list[bool]
     ) -> None:
         try:
             while await stream.receive_some(65536):
@@ -106,9 +111,10 @@ class FakeAgentServer:
             scope.cancel()
 
     async def _work(
-        self, stream: trio.SocketStream, example: dict[str, Any], answering: list[bool]
+        self, stream: trio.abc.Stream, example: dict[str, Any], answering: list[bool]
     ) -> None:
-        fake = example.get("_fake", {})
+        episode = "episode_id" in example
+        fake = (example["task"]["task_input"] if episode else example).get("_fake", {})
         if fake.get("hang"):
             await trio.sleep_forever()
         await trio.sleep(fake.get("delay_s", 0))
@@ -121,7 +127,15 @@ class FakeAgentServer:
             await stream.aclose()
             return
         if "status" in fake:
-            await respond(stream, fake["status"], b"agent exploded: " + b"x" * 2000)
+            body = b"agent exploded: " + b"x" * 2000
+            if fake.get("json_error"):
+                body = json.dumps('Hit an exception in SimpleAgent: it "broke"').encode()
+            await respond(stream, fake["status"], body)
+            return
+        key = fake.get("key", "")
+        if self.failures_sent.get(key, 0) < fake.get("fail_times", 0):
+            self.failures_sent[key] = self.failures_sent.get(key, 0) + 1
+            await respond(stream, 200, json.dumps(self._failure(example, fake)).encode())
             return
         answer = {
             "reward": 0.5,
@@ -129,23 +143,43 @@ class FakeAgentServer:
             "response": {"output": []},
             "keys": sorted(example),
         }
+        if episode:
+            answer = {"episode_id": example["episode_id"], "task_id": "t", "result": answer}
         await respond(stream, 200, json.dumps(answer).encode())
+
+    def _failure(self, example: dict[str, Any], fake: dict[str, Any]) -> dict[str, Any]:
+        if "episode_id" in example:
+            failure = {"failure_reason": "the fake failed it", "terminal": fake.get("terminal")}
+            return {"episode_id": example["episode_id"], "task_id": "t", "failure": failure}
+        return {
+            "_ng_failure_class": fake["failure_class"],
+            "_ng_failure_terminal": bool(fake.get("terminal")),
+            "_ng_failure_message": "the fake failed it",
+        }
 
 
 class FakeHeadServer:
-    """Serves ``GET /global_config_dict_yaml`` as Gym's head server does: JSON-wrapped YAML."""
+    """Serves ``GET /global_config_dict_yaml`` as Gym's head server does (JSON-wrapped YAML),
+    and ``GET /health``: 200 when ``ready``, 503 while not, 404 (an older Gym) for ``None``."""
 
-    def __init__(self, deployment: dict[str, Any]) -> None:
+    def __init__(self, deployment: dict[str, Any], *, ready: bool | None = True) -> None:
         self.deployment = deployment
+        self.ready = ready
         self.reads = 0
 
-    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async def serve(
+        self, *, port: int = 0, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        listeners = await trio.open_tcp_listeners(port, host="127.0.0.1")
         task_status.started(listeners[0].socket.getsockname()[1])
-        await trio.serve_listeners(self._handle, listeners)
+        await trio.serve_listeners(self.handle, listeners)
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def handle(self, stream: trio.abc.Stream) -> None:
         head, _ = await read_request(stream)
+        if head.target == b"/health":
+            status = {True: 200, False: 503, None: 404}[self.ready]
+            await respond(stream, status, b'{"status": "..."}')
+            return
         assert head.target == b"/global_config_dict_yaml"
         self.reads += 1
         await respond(stream, 200, json.dumps(yaml.safe_dump(self.deployment)).encode())
@@ -155,10 +189,12 @@ def agent_instance(port: int) -> dict[str, Any]:
     return {"responses_api_agents": {"simple_agent": {"host": "127.0.0.1", "port": port}}}
 
 
-def environment_instance(port: int, agent: str) -> dict[str, Any]:
-    server = {
-        "host": "127.0.0.1",
-        "port": port,
-        "agent_server": {"type": "responses_api_agents", "name": agent},
-    }
-    return {"environment_servers": {"legacy_agent": server}}
+def environment_instance(
+    port: int, agent: str = "", *, implementation: str = "legacy_agent", **fields: Any
+) -> dict[str, Any]:
+    """An environment server in front of ``agent`` (its ``agent_server``) and of whatever
+    ``fields`` reference."""
+    server: dict[str, Any] = {"host": "127.0.0.1", "port": port, **fields}
+    if agent:
+        server["agent_server"] = {"type": "responses_api_agents", "name": agent}
+    return {"environment_servers": {implementation: server}}

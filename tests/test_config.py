@@ -32,7 +32,7 @@ def test_flags_beat_environment_beats_file_beats_defaults(tmp_path: Path) -> Non
     assert config.port == 9200  # flag
     assert config.job_id == "from-env"  # environment over file
     assert config.heartbeat_interval_s == 5  # file over default
-    assert config.host == "127.0.0.1"  # a flag given as None is "not given"
+    assert config.host == "0.0.0.0"  # a flag given as None is "not given"; a launcher's port
 
 
 def test_every_upstream_nmp_variable_is_honoured() -> None:
@@ -93,6 +93,49 @@ def test_an_unknown_key_in_the_caller_config_is_an_error_naming_the_key() -> Non
         load_caller_config(block, source="trainer.yaml")
 
 
+def test_a_launcher_that_sets_only_the_port_gets_every_interface(tmp_path: Path) -> None:
+    launched = load_serve_config(environ={"NMP_RUNTIME_HTTP_PORT": "8080"})
+    assert launched.host == "0.0.0.0"
+    by_hand = load_serve_config(environ={}, flags={"port": 8080})
+    assert by_hand.host == "127.0.0.1"
+    named = {"NMP_RUNTIME_HTTP_PORT": "8080", "NMP_RUNTIME_HTTP_HOST": "10.1.2.3"}
+    assert load_serve_config(environ=named).host == "10.1.2.3"
+    file = tmp_path / "serve.yaml"
+    file.write_text("host: 127.0.0.1\n")
+    from_file = load_serve_config(file=file, environ={"NMP_RUNTIME_HTTP_PORT": "8080"})
+    assert from_file.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("text", "meaning"),
+    [("", False), ("1", True), ("TRUE", True), (" yes ", True), ("0", False), ("no", False)],
+)
+def test_booleans_are_read_as_the_upstream_host_reads_them(text: str, meaning: bool) -> None:
+    config = load_serve_config(environ={"NMP_ENVIRONMENT_PACKAGE_REQUIRED": text})
+    assert config.environment_package_required is meaning
+
+
+def test_an_unrecognised_boolean_is_false_and_said_so(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("WARNING", logger="trio_gym")
+    config = load_serve_config(environ={"NMP_ENVIRONMENT_OFFLINE": "maybe"})
+    assert config.environment_offline is False
+    (record,) = caplog.records
+    assert record.getMessage() == "config_value_read_as_false"
+    assert record.trio_gym_fields["variable"] == "NMP_ENVIRONMENT_OFFLINE"
+
+
+def test_an_empty_variable_is_no_variable() -> None:
+    config = load_serve_config(environ={"NMP_RUNTIME_HTTP_PORT": "", "NMP_ROLLOUT_DEADLINE_S": ""})
+    assert (config.port, config.rollout_deadline_s, config.host) == (8080, 1800, "127.0.0.1")
+
+
+def test_the_caller_dialect_carries_a_gym_config_to_a_gym_host() -> None:
+    caller = CallerConfig(gym_global_config={"policy_model_name": "m", "config_paths": ["a.yaml"]})
+    served = load_serve_config(environ=caller.bootstrap_environment())
+    assert served.runner == "gym" and served.gym_global_config == caller.gym_global_config
+    assert "NMP_GYM_GLOBAL_CONFIG" not in CallerConfig().bootstrap_environment()
+
+
 def test_both_dialects_know_environment_offline() -> None:
     assert load_caller_config({"environment_offline": True}, source="x").environment_offline
     assert load_serve_config(environ={"NMP_ENVIRONMENT_OFFLINE": "true"}).environment_offline
@@ -114,7 +157,7 @@ def test_caller_to_bootstrap_environment_to_serve_config_keeps_every_field(
         host_env={"GYM_LOG_LEVEL": "debug"},
     )
     environ = caller.bootstrap_environment()
-    assert set(BOOTSTRAP_VARIABLES) <= set(environ)
+    assert set(BOOTSTRAP_VARIABLES) - {"NMP_GYM_GLOBAL_CONFIG"} <= set(environ)
     assert environ["GYM_LOG_LEVEL"] == "debug"
     served = load_serve_config(environ=environ)
     assert served.job_id == caller.job_id

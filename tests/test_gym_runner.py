@@ -1,110 +1,334 @@
-"""The optional gym runner: its asyncio isolation here; Gym itself only where it is installed."""
+"""The ``gym`` runner's side of the bargain, against a stand-in for Gym's launcher.
+
+What the host starts Gym with (config, environment, working directory), readiness, a Gym that
+exits or never comes up, and that nothing Gym started outlives the host — stopped, or killed.
+The real nemo-gym is in ``tests/test_gym_real.py``.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import threading
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import trio
 
 from tests.helpers import request_bytes, running_host, tcp_exchange
-from trio_gym.config import ServeConfig
-from trio_gym.runners.gym import AsyncioThread, gym_available
+from tests.packages import native_package
+from tests.test_cli import LogReader
+from trio_gym.config import ServeConfig, load_serve_config
+from trio_gym.host import Host
+from trio_gym.host.state import Failed
+from trio_gym.install import load_package
+from trio_gym.runners.gym import (
+    DEPLOYMENT_VARIABLE,
+    GymStartFailed,
+    gym_environment,
+    gym_global_config,
+    gym_python,
+    launch_argv,
+)
 
-HANG_GUARD_S = 30
+HANG_GUARD_S = 60
+FAKE_GYM = Path(__file__).parent / "fake_nemo_gym"
+REPO = Path(__file__).parent.parent
+ROW = {"agent_ref": {"name": "fake_agent"}, "responses_create_params": {"input": "hi"}}
 
 
-async def test_asyncio_code_runs_on_its_own_thread_and_loop() -> None:
-    bridge = AsyncioThread()
-    try:
-
-        async def where() -> tuple[int, bool]:
-            await asyncio.sleep(0.01)
-            return threading.get_ident(), asyncio.get_running_loop().is_running()
-
-        ident, running = await bridge.call(where)
-    finally:
-        bridge.close()
-    assert ident != threading.get_ident() and running
-    with pytest.raises(RuntimeError):
-        asyncio.get_running_loop()  # no asyncio loop leaked into the trio thread
+@pytest.fixture
+def fake_gym_python(tmp_path: Path) -> str:
+    """An interpreter whose ``nemo_gym`` is the stand-in."""
+    script = tmp_path / "gym-python"
+    path = f'"{FAKE_GYM}:{REPO}${{PYTHONPATH:+:$PYTHONPATH}}"'
+    script.write_text(f'#!/bin/sh\nPYTHONPATH={path} exec "{sys.executable}" "$@"\n')
+    script.chmod(0o755)
+    return str(script)
 
 
-async def test_cancelling_on_the_trio_side_cancels_the_asyncio_task() -> None:
-    bridge = AsyncioThread()
-    seen: list[str] = []
+def started_with(work: Path) -> dict[str, Any]:
+    record: dict[str, Any] = json.loads((work / "gym" / "fake-gym-start.json").read_text())
+    return record
 
-    async def long_gym_call() -> None:
+
+def gym_processes(tag: str) -> list[int]:
+    """Every live process of the deployment tagged ``tag`` (the tag is inherited)."""
+    marker = f"{DEPLOYMENT_VARIABLE}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
-            await asyncio.sleep(100)
-        except asyncio.CancelledError:
-            seen.append("cancelled")
-            await asyncio.sleep(0.05)  # cleanup that takes a moment, like closing a connection
-            seen.append("cleaned up")
-            raise
-
-    try:
-        with trio.move_on_after(0.1) as scope:
-            await bridge.call(long_gym_call)
-    finally:
-        bridge.close()
-    assert scope.cancelled_caught
-    assert seen == ["cancelled", "cleaned up"]  # trio waited until asyncio had finished
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if marker in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
 
 
-async def test_an_asyncio_failure_propagates_as_itself() -> None:
-    bridge = AsyncioThread()
-
-    async def fails() -> None:
-        raise KeyError("agent missing")
-
-    try:
-        with pytest.raises(KeyError, match="agent missing"):
-            await bridge.call(fails)
-    finally:
-        bridge.close()
+async def until_no_gym_process(tag: str) -> None:
+    with trio.fail_after(HANG_GUARD_S):
+        while gym_processes(tag):  # noqa: ASYNC110 - other processes' ends cannot be awaited
+            await trio.sleep(0.05)
 
 
-@pytest.mark.skipif(gym_available(), reason="nemo_gym is installed here")
-async def test_without_nemo_gym_the_gym_runner_fails_its_start_naming_the_alternative() -> None:
-    config = ServeConfig(port=0, runner="gym", head_server="http://127.0.0.1:9")
+def gym_config(tmp_path: Path, gym_python: str, fake: dict[str, Any], **config: Any) -> ServeConfig:
+    settings: dict[str, Any] = {
+        "port": 0,
+        "runner": "gym",
+        "gym_python": gym_python,
+        "gym_global_config": {"policy_model_name": "stub", "fake_gym": fake},
+        "work_path": str(tmp_path / "work"),
+        "gym_stop_grace_s": 1.0,
+        "agent_retry_backoff_s": 0.05,
+        **config,
+    }
+    return ServeConfig(**settings)
+
+
+@asynccontextmanager
+async def gym_host(config: ServeConfig) -> AsyncIterator[tuple[Host, int]]:
     async with running_host(config) as (host, port):
         with trio.fail_after(HANG_GUARD_S):
             await host.settled.wait()
-        health = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
-    message = health.json()["error"]["message"]
-    assert "needs the nemo_gym package" in message and "--runner agents" in message
+        yield host, port
 
 
-@pytest.mark.skipif(not gym_available(), reason="nemo_gym needs Python >= 3.13.14")
-async def test_the_gym_runner_runs_examples_through_gym_against_fake_servers() -> None:
-    from tests.fake_gym import FakeAgentServer, FakeHeadServer, agent_instance
-
-    agent = FakeAgentServer("math")
-    async with trio.open_nursery() as nursery:
-        await nursery.start(agent.serve)
-        head = FakeHeadServer({"math": agent_instance(agent.port)})
-        head_port = await nursery.start(head.serve)
-        config = ServeConfig(port=0, runner="gym", head_server=f"http://127.0.0.1:{head_port}")
-        async with running_host(config) as (host, port):
-            with trio.fail_after(HANG_GUARD_S):
-                await host.settled.wait()
-            batch = {"examples": [{"agent_ref": {"name": "math"}, "_ng_task_index": 0}]}
-            reply = await tcp_exchange(port, request_bytes(batch))
-        nursery.cancel_scope.cancel()
-    assert reply.json()["results"][0]["agent"] == "math"
+async def health(port: int) -> Any:
+    return await tcp_exchange(port, request_bytes(method="GET", target="/health"))
 
 
-async def test_a_coroutine_factory_that_raises_is_reported_not_hung() -> None:
-    bridge = AsyncioThread()
+# --- what Gym is started with ---------------------------------------------------------------
 
-    def broken() -> Any:
-        raise TypeError("not a coroutine factory after all")
 
+def test_the_global_config_puts_the_package_first_and_a_loopback_head_server(
+    tmp_path: Path,
+) -> None:
+    package = load_package(native_package(tmp_path / "env"))
+    given = {"policy_base_url": "http://model/v1", "config_paths": ["responses_api_models/m.yaml"]}
+    config = gym_global_config(given, package, head_port=4321, environ={})
+    assert config["config_paths"] == [
+        str(package.root / "responses_api_agents/calendar/configs/agent.yaml"),
+        str(package.root / "resources_servers/calendar/configs/tools.yaml"),
+        "responses_api_models/m.yaml",
+    ]
+    assert config["head_server"] == {"host": "127.0.0.1", "port": 4321}
+    assert config["policy_base_url"] == "http://model/v1"
+    assert given == {
+        "policy_base_url": "http://model/v1",
+        "config_paths": ["responses_api_models/m.yaml"],
+    }
+    named = gym_global_config({"head_server": {"port": 11000}}, None, head_port=1, environ={})
+    assert named["head_server"] == {"host": "127.0.0.1", "port": 11000}
+
+
+def test_the_operators_uv_directories_reach_gyms_config_unless_it_names_its_own() -> None:
+    environ = {"UV_CACHE_DIR": "/cache/uv", "NEMO_GYM_VENV_DIR": "/venvs"}
+    config = gym_global_config({}, None, head_port=1, environ=environ)
+    assert (config["uv_cache_dir"], config["uv_venv_dir"]) == ("/cache/uv", "/venvs")
+    own = gym_global_config({"uv_cache_dir": "/mine"}, None, head_port=1, environ=environ)
+    assert own["uv_cache_dir"] == "/mine"
+
+
+def test_the_upstream_component_choice_adds_only_what_the_package_lacks(tmp_path: Path) -> None:
+    package = load_package(native_package(tmp_path / "env"))
+    selection = {
+        "agent_instance": "calendar_agent",  # in the package
+        "agent_config": "responses_api_agents/simple_agent/configs/simple_agent.yaml",
+        "resources_server_instance": "weather",  # not in the package
+        "resources_server_config": "resources_servers/weather/configs/weather.yaml",
+        "model_config": "responses_api_models/openai_model/configs/openai_model.yaml",
+    }
+    given = {"_nmp_environment_component_selection": selection}
+    config = gym_global_config(given, package, head_port=1, environ={})
+    assert "_nmp_environment_component_selection" not in config
+    assert config["config_paths"][2:] == [
+        selection["model_config"],
+        selection["resources_server_config"],
+    ]
+    with pytest.raises(GymStartFailed, match="there is none; set NMP_ENVIRONMENT_PATH"):
+        gym_global_config(given, None, head_port=1, environ={})
+
+
+def test_gym_gets_the_hosts_environment_but_never_its_control_token(tmp_path: Path) -> None:
+    package = load_package(native_package(tmp_path / "env"))
+    environ = {"NMP_CONTROL_TOKEN": "secret", "UV_OFFLINE": "1", "NEMO_GYM_EXTRA_ROOTS": "/other"}
+    config = ServeConfig(
+        runner="gym", gym_global_config={}, broker_url="http://b", broker_token="t"
+    )
+    env = gym_environment(environ, config, package, "tag-1")
+    assert "NMP_CONTROL_TOKEN" not in env and env["UV_OFFLINE"] == "1"
+    assert env["NEMO_GYM_EXTRA_ROOTS"] == f"{package.root}:/other"
+    assert (env["NMP_BROKER_URL"], env["NMP_BROKER_TOKEN"]) == ("http://b", "t")
+    assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and env[DEPLOYMENT_VARIABLE] == "tag-1"
+    joining = ServeConfig(
+        runner="gym", gym_global_config={"ray_head_node_address": "10.0.0.1:6379"}
+    )
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in gym_environment({}, joining, None, "t")
+
+
+def test_the_launcher_is_gyms_own_and_the_config_path_survives_hydra_quoting() -> None:
+    argv = launch_argv("/py", Path("/work/it's here/config.yaml"))
+    assert argv[:2] == ["/py", "-c"] and "from nemo_gym.cli.main import main" in argv[2]
+    assert argv[3:] == ["env", "start", "+config_paths=['/work/it\\'s here/config.yaml']"]
+
+
+def test_without_nemo_gym_here_the_gym_python_must_be_named() -> None:
+    with pytest.raises(GymStartFailed, match="--gym-python"):
+        gym_python("")
+    assert gym_python("/opt/gym/bin/python") == "/opt/gym/bin/python"
+
+
+def test_a_gym_config_without_a_runner_means_runner_gym() -> None:
+    config = load_serve_config(environ={"NMP_GYM_GLOBAL_CONFIG": '{"policy_model_name": "m"}'})
+    assert config.runner == "gym" and config.gym_global_config == {"policy_model_name": "m"}
+    assert load_serve_config(environ={"NMP_GYM_GLOBAL_CONFIG": "{}"}).runner == "gym"
+
+
+# --- the deployment's life -------------------------------------------------------------------
+
+
+async def test_the_host_starts_gym_waits_for_it_and_runs_rows_through_it(
+    tmp_path: Path, fake_gym_python: str
+) -> None:
+    package = native_package(tmp_path / "env")
+    config = gym_config(
+        tmp_path,
+        fake_gym_python,
+        {"ready_at_s": 1.0},
+        environment_path=str(package),
+        environment_offline=True,
+        dataset_path="/data",
+        control_token="host-secret",
+    )
+    async with running_host(config) as (host, port):
+        with trio.fail_after(HANG_GUARD_S):
+            await host.wait_for_phase(lambda phase: getattr(phase, "stage", "") == "starting_gym")
+        starting = await health(port)
+        with trio.fail_after(HANG_GUARD_S):
+            await host.settled.wait()
+        ready = await health(port)
+        reply = await tcp_exchange(port, request_bytes({"examples": [ROW]}))
+    start = started_with(tmp_path / "work")
+    assert starting.status == 503 and starting.json()["stage"] == "starting_gym"
+    assert ready.status == 200, ready.json()
+    assert reply.json()["results"][0]["agent"] == "fake_agent"
+    assert start["cwd"] == str(tmp_path / "work" / "gym")
+    assert start["config"]["config_paths"][0] == str(
+        package / "responses_api_agents/calendar/configs/agent.yaml"
+    )
+    assert start["config"]["policy_model_name"] == "stub"
+    env = start["env"]
+    assert env["UV_OFFLINE"] == "1"  # the installer stage's choice reaches Gym's venv builds
+    assert env["NEMO_GYM_EXTRA_ROOTS"].split(":")[0] == str(package)
+    assert env["NMP_DATASET_PATH"] == "/data" and "NMP_CONTROL_TOKEN" not in env
+    await until_no_gym_process(env[DEPLOYMENT_VARIABLE])
+
+
+async def test_a_gym_that_exits_before_it_is_up_fails_the_start_with_its_last_words(
+    tmp_path: Path, fake_gym_python: str
+) -> None:
+    config = gym_config(
+        tmp_path, fake_gym_python, {"ready_at_s": "never", "exit_at_s": 0.5, "exit_code": 7}
+    )
+    async with gym_host(config) as (host, port):
+        reply = await health(port)
+    document = reply.json()
+    assert reply.status == 503 and document["status"] == "failed"
+    assert document["stage"] == "starting_gym" and document["error"]["code"] == "bootstrap_failed"
+    assert "Gym exited with status 7 before it was up" in document["error"]["message"]
+    assert "fake gym: exiting with 7" in document["error"]["message"]
+
+
+async def test_a_gym_that_is_never_up_fails_at_the_start_timeout_and_is_stopped(
+    tmp_path: Path, fake_gym_python: str
+) -> None:
+    fake = {"ready_at_s": "never", "children": 3}
+    config = gym_config(tmp_path, fake_gym_python, fake, gym_start_timeout_s=1.0)
+    async with gym_host(config) as (host, port):
+        reply = await health(port)
+        tag = started_with(tmp_path / "work")["env"][DEPLOYMENT_VARIABLE]
+        await until_no_gym_process(tag)  # stopped at the timeout, the host still up
+        assert host.shutdown_requested.is_set() is False
+    message = reply.json()["error"]["message"]
+    assert "was not up within 1 s (gym_start_timeout_s)" in message
+    assert "says the deployment is not ready (HTTP 503)" in message
+
+
+async def test_a_gym_that_exits_after_it_is_up_turns_health_failed(
+    tmp_path: Path, fake_gym_python: str
+) -> None:
+    config = gym_config(tmp_path, fake_gym_python, {"exit_at_s": 1.5, "exit_code": 9})
+    async with gym_host(config) as (host, port):
+        assert (await health(port)).status == 200
+        with trio.fail_after(HANG_GUARD_S):
+            await host.wait_for_phase(lambda phase: isinstance(phase, Failed))
+        reply = await health(port)
+        refused = await tcp_exchange(port, request_bytes({"examples": [ROW]}))
+    document = reply.json()
+    assert document["status"] == "failed" and document["stage"] == "gym"
+    assert "the Gym deployment exited with status 9" in document["error"]["message"]
+    assert refused.status == 503 and refused.json()["error"]["code"] == "bootstrap_failed"
+
+
+async def test_stopping_the_host_stops_every_gym_process(
+    tmp_path: Path, fake_gym_python: str
+) -> None:
+    config = gym_config(tmp_path, fake_gym_python, {"children": 3})
+    async with gym_host(config) as (host, port):
+        tag = started_with(tmp_path / "work")["env"][DEPLOYMENT_VARIABLE]
+        assert len(gym_processes(tag)) >= 4  # the launcher and its helpers
+    await until_no_gym_process(tag)
+
+
+# --- a host launched as a sandbox process -----------------------------------------------------
+
+
+@asynccontextmanager
+async def serve_gym(
+    tmp_path: Path, gym_python: str, fake: dict[str, Any]
+) -> AsyncIterator[tuple[trio.Process, LogReader, str]]:
+    """``trio-gym serve`` as the upstream orchestrator launches it: no runner named."""
+    env = {
+        **os.environ,
+        "NMP_GYM_GLOBAL_CONFIG": json.dumps({"fake_gym": fake}),
+        "NMP_GYM_PYTHON": gym_python,
+        "NMP_WORK_PATH": str(tmp_path / "work"),
+        "NMP_GYM_STOP_GRACE_S": "1",
+    }
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "trio_gym", "serve", "--port", "0"],
+        stderr=subprocess.PIPE,
+        env=env,
+    )
     try:
-        with trio.fail_after(HANG_GUARD_S), pytest.raises(TypeError, match="factory"):
-            await bridge.call(broken)
+        assert process.stderr is not None
+        logs = LogReader(process.stderr)
+        with trio.fail_after(HANG_GUARD_S):
+            tag = (await logs.wait_for("gym_starting"))["deployment"]
+            await logs.wait_for("ready")
+        yield process, logs, tag
     finally:
-        bridge.close()
+        if process.returncode is None:
+            process.kill()
+        await process.wait()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+async def test_no_gym_process_outlives_a_host_stopped_or_killed(
+    tmp_path: Path, fake_gym_python: str, signum: int
+) -> None:
+    async with serve_gym(tmp_path, fake_gym_python, {"children": 3}) as (process, logs, tag):
+        assert len(gym_processes(tag)) >= 4
+        process.send_signal(signum)
+        with trio.fail_after(HANG_GUARD_S):
+            await process.wait()
+    await until_no_gym_process(tag)

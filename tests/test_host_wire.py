@@ -361,41 +361,80 @@ async def test_concurrent_batches_interleave() -> None:
     assert sorted(r.json()["results"][0]["seed"] for r in replies) == [0, 100]
 
 
-async def test_results_come_back_in_input_order_with_identity_keys() -> None:
-    examples = [
-        {"sleep_s": 0.3, "_ng_task_index": 0, "_ng_rollout_index": 5, "_sg_example_id": "a"},
-        {"sleep_s": 0.0, "_ng_task_index": 1, "result": {"_ng_task_index": 99}},
-        {"sleep_s": 0.1, "_ng_task_index": 2, "result": {"_ng_task_index": None, "x": 1}},
-        {"sleep_s": 0.2, "_ng_task_index": 3, "result": [1, 2]},
-        {"sleep_s": 0.0, "result": {"y": 2}, "_ng_rollout_index": None},
-        {"_ng_rollout_index": 7, "result": {"_ng_rollout_index": 0, "_sg_example_id": ""}},
-    ]
+IDENTITY_EXAMPLES: list[dict[str, Any]] = [
+    {"sleep_s": 0.3, "_ng_task_index": 0, "_ng_rollout_index": 5, "_sg_example_id": "a"},
+    {"sleep_s": 0.0, "_ng_task_index": 1, "result": {"_ng_task_index": 99}},
+    {"sleep_s": 0.1, "_ng_task_index": 2, "result": {"_ng_task_index": None, "x": 1}},
+    {"sleep_s": 0.2, "_ng_task_index": 3, "result": [1, 2]},
+    {"sleep_s": 0.0, "result": {"y": 2}, "_ng_rollout_index": None},
+    {"_ng_rollout_index": 7, "result": {"_ng_rollout_index": 0, "_sg_example_id": ""}},
+    {"_ng_rollout_id": "r-1", "_ng_attempt_index": 2, "result": {}},
+]
+IDENTITY_RESULTS: list[Any] = [
+    {"index": 0, "_ng_task_index": 0, "_ng_rollout_index": 5, "_sg_example_id": "a"},
+    {"_ng_task_index": 99},  # the runner's own value wins
+    {"_ng_task_index": 2, "x": 1},  # null is filled in
+    [1, 2],  # a non-object result is left alone
+    {"y": 2},  # no example key invented
+    {"_ng_rollout_index": 0, "_sg_example_id": ""},  # falsy values are values too
+    {"_ng_rollout_id": "r-1", "_ng_attempt_index": 2},  # the row's own episode keys
+]
+
+
+async def test_results_come_back_in_input_order_with_identity_keys_and_none_invented() -> None:
     runner = CountingRunner(ScriptedRunner())
     async with running_host(runner=runner) as (host, port):
-        reply = await tcp_exchange(port, request_bytes({"examples": examples}))
+        reply = await tcp_exchange(port, request_bytes({"examples": IDENTITY_EXAMPLES}))
+    assert [index for index, _ in runner.completed] != list(range(7))  # out of order
+    assert reply.json()["results"] == IDENTITY_RESULTS  # as the upstream host answers
+    document = reply.json()
+    assert set(document) == {"results", "job_id", "environment_path", "work_path"}
+
+
+async def test_with_the_control_plane_on_every_result_names_its_episode() -> None:
+    runner = CountingRunner(ScriptedRunner())
+    async with running_host(runner=runner, control_token="t") as (host, port):
+        reply = await tcp_exchange(port, request_bytes({"examples": IDENTITY_EXAMPLES}))
     results = reply.json()["results"]
-    assert [index for index, _ in runner.completed] != [0, 1, 2, 3, 4, 5]  # out of order
     episode_keys = ("_ng_rollout_id", "_ng_attempt_index")
     identities = [
         {key: r.pop(key) for key in episode_keys} if isinstance(r, dict) else None for r in results
     ]
-    assert results == [
-        {"index": 0, "_ng_task_index": 0, "_ng_rollout_index": 5, "_sg_example_id": "a"},
-        {"_ng_task_index": 99},  # the runner's own value wins
-        {"_ng_task_index": 2, "x": 1},  # null is filled in
-        [1, 2],  # a non-object result is left alone
-        {"y": 2},  # no example key invented
-        {"_ng_rollout_index": 0, "_sg_example_id": ""},  # falsy values are values too
-    ]
+    assert results[:6] == IDENTITY_RESULTS[:6]
     # The episode identity is always carried: given, derived from task and rollout, or assigned.
     assert identities[0] == {"_ng_rollout_id": "0-5", "_ng_attempt_index": 0}
     assert identities[3] is None
-    assigned = [identity["_ng_rollout_id"] for identity in identities if identity][1:]
+    assert identities[6] == {"_ng_rollout_id": "r-1", "_ng_attempt_index": 2}
+    assigned = [identity["_ng_rollout_id"] for identity in identities[:6] if identity][1:]
     assert len(set(assigned)) == 4 and all(
         rid.endswith(f"-{i}") for rid, i in zip(assigned, (1, 2, 4, 5), strict=True)
     )
-    document = reply.json()
-    assert set(document) == {"results", "job_id", "environment_path", "work_path"}
+
+
+async def test_rows_of_one_identity_both_run_unless_the_control_plane_tracks_episodes() -> None:
+    twins = [
+        {"_ng_task_index": 4, "_ng_rollout_index": 0, "sleep_s": 0.2, "result": {"n": n}}
+        for n in (1, 2)
+    ]
+    runner = CountingRunner(ScriptedRunner())
+    chunks: list[Any] = []
+
+    async def one_chunk(port: int, twin: dict[str, Any]) -> None:
+        chunks.append(await tcp_exchange(port, request_bytes({"examples": [twin]})))
+
+    async with running_host(runner=runner) as (host, port):
+        both = await tcp_exchange(port, request_bytes({"examples": twins}))
+        async with trio.open_nursery() as nursery:  # two chunks of one identity at once
+            for twin in twins:
+                nursery.start_soon(one_chunk, port, twin)
+    async with running_host(runner=runner, control_token="t") as (host, port):
+        refused = await tcp_exchange(port, request_bytes({"examples": twins}))
+    assert [r["n"] for r in both.json()["results"]] == [1, 2]
+    assert sorted(chunk.json()["results"][0]["n"] for chunk in chunks) == [1, 2]
+    assert runner.peak == 2  # the two chunks ran at once
+    assert refused.status == 400
+    message = refused.json()["error"]["message"]
+    assert "examples[0] and examples[1] are one episode (4-0)" in message
 
 
 async def test_a_runner_failure_is_internal_naming_the_example_with_a_bounded_traceback() -> None:

@@ -11,6 +11,8 @@ supplied the bad value (``NMP_RUNTIME_HTTP_PORT='abc'``, ``serve.yaml: port``, `
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -22,6 +24,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trio_gym.http import HttpLimits
+from trio_gym.logs import log_event
 
 MiB: Final = 1024 * 1024
 
@@ -37,7 +40,8 @@ class ServeConfig(BaseModel):
     port: int = Field(default=8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
     runner: str = Field(
         default="example",
-        description="'example', 'agents', 'gym', or a user runner as 'package.module:factory'.",
+        description="'example', 'agents', 'gym', or a user runner as 'package.module:factory' "
+        "(default: 'gym' when gym_global_config is given, else 'example').",
     )
     heartbeat_interval_s: PositiveSeconds = Field(
         default=15.0,
@@ -103,6 +107,58 @@ class ServeConfig(BaseModel):
     agent_retry_backoff_s: PositiveSeconds = Field(
         default=0.5, description="Connection retry n waits n times this long."
     )
+    agent_rollout_attempts: int = Field(
+        default=3,
+        gt=0,
+        description="Tries per row when Gym answers that its rollout failed (_ng_failure_class), "
+        "as Gym's own collection retries it (NEMO_GYM_MAX_ROLLOUT_ATTEMPTS, 3).",
+    )
+    gym_global_config: dict[str, Any] | None = Field(
+        default=None,
+        description="For runner 'gym': Gym's global config (JSON object), merged with the "
+        "environment package's config_paths; given without a runner, the runner is 'gym'.",
+    )
+    gym_python: str = Field(
+        default="",
+        description="For runner 'gym': the Python interpreter that has nemo_gym (default: this "
+        "one, when nemo_gym imports here).",
+    )
+    gym_start_timeout_s: PositiveSeconds = Field(
+        default=600.0,
+        description="How long a Gym deployment (runner 'gym', or a head server for runner "
+        "'agents') may take to answer before the start fails.",
+    )
+    gym_stop_grace_s: PositiveSeconds = Field(
+        default=10.0,
+        description="On stopping, how long Gym's processes get after SIGTERM before SIGKILL.",
+    )
+    dataset_path: str = Field(
+        default="", description="Handed to Gym's processes as NMP_DATASET_PATH."
+    )
+    broker_url: str = Field(default="", description="Handed to Gym's processes as NMP_BROKER_URL.")
+    broker_token: str = Field(
+        default="", description="Handed to Gym's processes as NMP_BROKER_TOKEN (a secret)."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gym_config_names_the_runner(cls, data: Any) -> Any:
+        """The upstream orchestrator launches its host with NMP_GYM_GLOBAL_CONFIG and no
+        runner: that is a Gym deployment to start."""
+        if isinstance(data, dict) and "runner" not in data and "gym_global_config" in data:
+            return {**data, "runner": "gym"}
+        return data
+
+    @field_validator("gym_global_config", mode="before")
+    @classmethod
+    def _gym_config_from_text(cls, value: Any) -> Any:
+        """``NMP_GYM_GLOBAL_CONFIG`` holds the object as JSON text."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"not JSON ({exc}); expected a JSON object") from exc
 
     @field_validator("runner")
     @classmethod
@@ -123,17 +179,23 @@ class ServeConfig(BaseModel):
         return parse_agent_pairs(pairs)
 
     @model_validator(mode="after")
-    def _agents_need_an_agent_runner(self) -> ServeConfig:
+    def _settings_fit_the_runner(self) -> ServeConfig:
         if self.runner == "agents" and not (self.agents or self.head_server):
             raise ValueError(
                 "runner 'agents' needs --agent NAME=URL (repeatable) or --head-server URL"
             )
-        if self.runner == "gym" and not self.head_server:
-            raise ValueError("runner 'gym' needs --head-server URL (the Gym deployment)")
         if self.agents and self.runner != "agents":
             raise ValueError("--agent is for --runner agents")
-        if self.head_server and self.runner not in ("agents", "gym"):
-            raise ValueError("--head-server is for --runner agents or --runner gym")
+        if self.head_server and self.runner != "agents":
+            raise ValueError(
+                "--head-server is for --runner agents (a Gym deployment that already runs); "
+                "runner 'gym' starts its own"
+            )
+        if self.gym_global_config is not None and self.runner != "gym":
+            raise ValueError(
+                f"gym_global_config (NMP_GYM_GLOBAL_CONFIG) is for runner 'gym', not "
+                f"{self.runner!r}; remove one of them"
+            )
         return self
 
     def http_limits(self) -> HttpLimits:
@@ -170,7 +232,25 @@ ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
     "agent_max_connections": "NMP_AGENT_MAX_CONNECTIONS",
     "agent_connect_attempts": "NMP_AGENT_CONNECT_ATTEMPTS",
     "agent_retry_backoff_s": "NMP_AGENT_RETRY_BACKOFF_S",
+    "agent_rollout_attempts": "NMP_AGENT_ROLLOUT_ATTEMPTS",
+    "gym_global_config": "NMP_GYM_GLOBAL_CONFIG",
+    "gym_python": "NMP_GYM_PYTHON",
+    "gym_start_timeout_s": "NMP_GYM_START_TIMEOUT_S",
+    "gym_stop_grace_s": "NMP_GYM_STOP_GRACE_S",
+    "dataset_path": "NMP_DATASET_PATH",
+    "broker_url": "NMP_BROKER_URL",
+    "broker_token": "NMP_BROKER_TOKEN",
 }
+
+# Where the host listens when nothing names an address. A launcher that sets the port but no
+# address (the upstream orchestrator, scripts/gym_host.sh) publishes the port from outside the
+# sandbox, where loopback reaches nothing; a person at a terminal keeps loopback.
+LAUNCHED_HOST: Final = "0.0.0.0"
+
+# How the upstream host reads a boolean variable: these mean true, anything else false, and an
+# empty variable is no variable at all.
+_TRUE_WORDS: Final = frozenset({"1", "true", "yes"})
+_FALSE_WORDS: Final = frozenset({"0", "false", "no", "off"})
 
 
 def parse_agent_pairs(pairs: list[str]) -> dict[str, str]:
@@ -197,6 +277,7 @@ BOOTSTRAP_VARIABLES: Final = (
     "NMP_ROLLOUT_DEADLINE_S",
     "NMP_ENVIRONMENT_OFFLINE",
     "NMP_ENVIRONMENT_PACKAGE_REQUIRED",
+    "NMP_GYM_GLOBAL_CONFIG",
 )
 
 # Names that carry secrets. A sandbox's environment is readable by the untrusted code inside
@@ -241,6 +322,11 @@ class CallerConfig(BaseModel):
     host_env: dict[str, str] = Field(
         default_factory=dict, description="Extra variables for the host process (no secrets)."
     )
+    gym_global_config: dict[str, Any] | None = Field(
+        default=None,
+        description="Gym's global config for a host that starts the environment's Gym "
+        "deployment (NMP_GYM_GLOBAL_CONFIG); its model settings are the operator's.",
+    )
     rollout_chunk_size: int = Field(default=8, gt=0, description="Examples per request.")
     rollout_max_in_flight: int = Field(default=8, gt=0, description="Requests at once.")
     rollout_max_attempts: int = Field(default=3, gt=0, description="Tries per retryable chunk.")
@@ -268,9 +354,16 @@ class CallerConfig(BaseModel):
         return host_env
 
     def bootstrap_environment(self) -> dict[str, str]:
-        """The host's launch environment: the bootstrap variables plus ``host_env``."""
+        """The host's launch environment: the bootstrap variables plus ``host_env``
+        (``NMP_GYM_GLOBAL_CONFIG`` only when there is a Gym config: it selects the runner)."""
+        gym = (
+            {}
+            if self.gym_global_config is None
+            else {"NMP_GYM_GLOBAL_CONFIG": json.dumps(self.gym_global_config)}
+        )
         return {
             **self.host_env,
+            **gym,
             "NMP_JOB_ID": self.job_id,
             "NMP_ENVIRONMENT_PATH": self.environment_path or "",
             "NMP_WORK_PATH": self.work_path,
@@ -322,17 +415,41 @@ def load_serve_config(
             merged[key] = value
             sources[key] = f"{file}: {key}"
     for field, variable in ENVIRONMENT_VARIABLES.items():
-        if variable in environ:
-            merged[field] = environ[variable]
-            sources[field] = f"environment variable {variable}"
+        text = environ.get(variable, "")
+        if text == "":  # an empty variable is unset, as the upstream host reads it
+            continue
+        merged[field] = _boolean_word(variable, text) if field in _BOOLEAN_FIELDS else text
+        sources[field] = f"environment variable {variable}"
     for field, value in (flags or {}).items():
         if value is not None:
             merged[field] = value
             sources[field] = (flag_names or {}).get(field, f"--{field.replace('_', '-')}")
+    if "host" not in merged and environ.get(ENVIRONMENT_VARIABLES["port"], ""):
+        merged["host"] = LAUNCHED_HOST
+        sources["host"] = "NMP_RUNTIME_HTTP_PORT without NMP_RUNTIME_HTTP_HOST (a launcher)"
     try:
         return ServeConfig.model_validate(merged)
     except pydantic.ValidationError as exc:
         raise ConfigError(describe_validation_error(exc, sources)) from exc
+
+
+_BOOLEAN_FIELDS: Final = frozenset(
+    name for name, field in ServeConfig.model_fields.items() if field.annotation is bool
+)
+
+
+def _boolean_word(variable: str, text: str) -> bool:
+    """A boolean variable as the upstream host reads it: 1/true/yes are true, all else false."""
+    word = text.strip().lower()
+    if word not in _TRUE_WORDS | _FALSE_WORDS:
+        log_event(
+            "config_value_read_as_false",
+            level=logging.WARNING,
+            variable=variable,
+            value=text,
+            reason="only 1, true and yes mean true",
+        )
+    return word in _TRUE_WORDS
 
 
 def load_caller_config(data: Any, *, source: str) -> CallerConfig:

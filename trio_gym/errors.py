@@ -12,6 +12,7 @@ status codes.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -112,6 +113,17 @@ def leaves(group: BaseExceptionGroup[E]) -> list[E]:
         else:
             found.append(exc)
     return found
+
+
+def readable_body(body: bytes, limit: int = 500) -> str:
+    """The start of a peer's error body as text for a message, decoded once: a body that is a
+    JSON string (how Gym's servers answer a failure) is that string, not its escaped JSON."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        value = None
+    text = value if isinstance(value, str) else body.decode("utf-8", "replace")
+    return f"{text[:limit]} ... ({len(body)} bytes)" if len(text) > limit else text
 
 
 def quote_body(body: bytes, limit: int = 500) -> str:

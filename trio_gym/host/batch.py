@@ -20,7 +20,13 @@ from trio_gym.runners import ExampleContext
 from .episodes import ATTEMPT_KEY, ROLLOUT_ID_KEY, EpisodeId, LiveEpisode
 from .state import Host, ResultsInfo
 
-IDENTITY_KEYS: Final = ("_ng_task_index", "_ng_rollout_index", "_sg_example_id")
+IDENTITY_KEYS: Final = (
+    "_ng_task_index",
+    "_ng_rollout_index",
+    "_sg_example_id",
+    ROLLOUT_ID_KEY,
+    ATTEMPT_KEY,
+)
 
 # The upstream host's bounds for a reported traceback: enough to find the failing line of a
 # runner, small enough to read in a log viewer and to never crowd out the results.
@@ -147,22 +153,25 @@ async def run_example(host: Host, example: Mapping[str, Any], episode: LiveEpiso
     if episode.scope.cancelled_caught:
         retired = AttemptRetired(f"{episode.id.capture_key} was retired while it ran")
         raise ExampleFailed(episode.index, retired, ErrorCode.STALE_ATTEMPT)
-    return carry_identity(example, result, episode.id)
+    return carry_identity(example, result, episode.id if host.tracks_episodes else None)
 
 
-def carry_identity(example: Mapping[str, Any], result: Any, episode: EpisodeId) -> Any:
+def carry_identity(example: Mapping[str, Any], result: Any, episode: EpisodeId | None) -> Any:
     """Copy identity onto an object result where the result lacks it (or has it as null).
 
-    The example's ``_ng_task_index``, ``_ng_rollout_index``, ``_sg_example_id`` (when it has
-    them), and the episode's ``_ng_rollout_id`` and ``_ng_attempt_index`` (always: a rollout id
-    may have been assigned here, and checkpoints need both). A value the runner returned is
-    never overwritten; a non-object result is left alone.
+    The example's ``_ng_task_index``, ``_ng_rollout_index``, ``_sg_example_id``,
+    ``_ng_rollout_id`` and ``_ng_attempt_index`` when it has them; with an ``episode`` (the
+    checkpoint control plane on), its ``_ng_rollout_id`` and ``_ng_attempt_index`` always (a
+    rollout id may have been assigned here, and checkpoints need both). No other key is
+    invented; a value the runner returned is never overwritten; a non-object result is left
+    alone.
     """
     if not isinstance(result, dict):
         return result
     identity = {key: example[key] for key in IDENTITY_KEYS if example.get(key) is not None}
-    identity[ROLLOUT_ID_KEY] = episode.rollout_id
-    identity[ATTEMPT_KEY] = episode.attempt
+    if episode is not None:
+        identity[ROLLOUT_ID_KEY] = episode.rollout_id
+        identity[ATTEMPT_KEY] = episode.attempt
     missing = {key: value for key, value in identity.items() if result.get(key) is None}
     return {**result, **missing} if missing else result
 

@@ -103,10 +103,14 @@ def parse_rollout_request(body: bytes) -> RolloutRequest:
 
 
 def validate_batch(
-    body: bytes, runner: Runner, batch_id: str, *, refuse_whole: bool
+    body: bytes, runner: Runner, batch_id: str, *, refuse_whole: bool, identities: bool
 ) -> tuple[RolloutRequest, list[EpisodeId | WireError]]:
-    """Parse the body, let the runner check every example, and read each one's episode
-    identity (assigning a rollout id where it has none).
+    """Parse the body, let the runner check every example, and name each one's episode.
+
+    With ``identities`` (the checkpoint control plane on) an episode is the identity the row
+    carries (a rollout id assigned where it has none), and two rows of one identity in a batch
+    are ``invalid_request`` naming both. Without, every row is an episode of its own, as the
+    upstream host runs them, whatever identity keys it carries.
 
     A malformed body is ``invalid_request``. A malformed example is too when ``refuse_whole``
     (a document answers the whole batch); otherwise (a row stream) its entry is the refusal,
@@ -114,15 +118,26 @@ def validate_batch(
     """
     request = parse_rollout_request(body)
     checked: list[EpisodeId | WireError] = []
+    first_of: dict[str, int] = {}
     for index, example in enumerate(request.examples):
+        assigned = f"{batch_id}-{index}"
         try:
             runner.check_example(example)
-            checked.append(EpisodeId.of(example, assigned=f"{batch_id}-{index}"))
+            episode = EpisodeId.of(example, assigned) if identities else EpisodeId(assigned, 0)
         except ValueError as exc:
             refusal = WireError(ErrorCode.INVALID_REQUEST, f"examples[{index}]: {exc}")
             if refuse_whole:
                 raise refusal from exc
             checked.append(refusal)
+            continue
+        twin = first_of.setdefault(episode.capture_key, index)
+        if twin != index:
+            raise WireError(
+                ErrorCode.INVALID_REQUEST,
+                f"examples[{twin}] and examples[{index}] are one episode ({episode.capture_key}); "
+                "give each row its own _ng_rollout_id (or _ng_task_index/_ng_rollout_index)",
+            )
+        checked.append(episode)
     return request, checked
 
 
@@ -171,7 +186,14 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
         advice=TOO_LARGE_ADVICE,
     )
     batch = Batch(new_batch_id(), 0)
-    validate = partial(validate_batch, body, host.runner, batch.id, refuse_whole=not rows)
+    validate = partial(
+        validate_batch,
+        body,
+        host.runner,
+        batch.id,
+        refuse_whole=not rows,
+        identities=host.tracks_episodes,
+    )
     if len(body) > THREAD_PARSE_BYTES:
         request, checked = await trio.to_thread.run_sync(validate)
     else:

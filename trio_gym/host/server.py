@@ -168,8 +168,9 @@ async def serve(
     Reports the bound port through ``task_status`` as soon as the socket listens (before the
     runner is loaded: ``/health`` answers ``starting`` meanwhile). On shutdown: stop accepting,
     let in-flight batches answer ``shutting_down``, and cut whatever is still open after
-    ``shutdown_grace_s`` (each write is bounded by ``send_timeout_s``, so the process is gone
-    within their sum).
+    ``shutdown_grace_s`` (each write is bounded by ``send_timeout_s``); then stop the services,
+    a Gym deployment among them (within ``gym_stop_grace_s`` and a margin). The process is gone
+    within the sum of those bounds.
     """
     config = host.config
     try:
@@ -183,13 +184,13 @@ async def serve(
             "choose another --port (NMP_RUNTIME_HTTP_PORT) or stop what holds it"
         ) from exc
     port: int = listeners[0].socket.getsockname()[1]
-    # The pacer outlives every connection: batches answering during the shutdown grace still
-    # beat. It stops once the last connection has closed.
-    async with trio.open_nursery() as pacing:
-        pacing.start_soon(host.pacer.run)
+    # Services outlive every connection: batches answering during the shutdown grace still beat
+    # and still reach the Gym deployment. They stop once the last connection has closed.
+    async with trio.open_nursery() as services:
+        services.start_soon(host.pacer.run)
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as server_tasks:
-                server_tasks.start_soon(host.bootstrap)
+                server_tasks.start_soon(host.bootstrap, services)
                 server_tasks.start_soon(host.checkpoints.watch_lease)
                 server_tasks.start_soon(
                     partial(
@@ -205,6 +206,6 @@ async def serve(
                 server_tasks.cancel_scope.cancel()
             log_event("stopped_accepting", open_connections=host.stats.connections_open)
             connections.cancel_scope.deadline = trio.current_time() + config.shutdown_grace_s
-        pacing.cancel_scope.cancel()
+        services.cancel_scope.cancel()
     await host.close_runner()
     log_event("stopped")

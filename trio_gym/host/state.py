@@ -6,6 +6,7 @@ import functools
 import secrets
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Final
 
 import attrs
@@ -17,7 +18,8 @@ from trio_gym.http import encode_json
 from trio_gym.install import InstallError, install_environment
 from trio_gym.logs import log_event
 from trio_gym.runners import Runner, load_runner
-from trio_gym.runners.base import StateParticipant
+from trio_gym.runners.base import StateParticipant, start_progress_to
+from trio_gym.runners.gym import GymDeployment, GymReady, GymStartFailed
 
 from .checkpoint import Checkpoints
 from .episodes import Episodes
@@ -30,6 +32,8 @@ REFUSAL_TIMEOUT_S: Final = 2.0
 @attrs.frozen
 class Starting:
     stage: str
+    detail: str = ""
+    """What the stage is waiting for, when it says (a deployment not up yet)."""
 
 
 @attrs.frozen
@@ -118,7 +122,8 @@ class Host:
             drain_timeout_s=REFUSAL_TIMEOUT_S,
         )
         self._runner = runner
-        self.phase: Phase = Ready() if runner is not None else Starting("starting")
+        self._phase: Phase = Ready() if runner is not None else Starting("starting")
+        self._phase_changed = trio.Event()
         self.settled = trio.Event()
         """Set once start-up ended, ready or failed."""
         self.episodes = Episodes(
@@ -131,6 +136,30 @@ class Host:
         """Wakes every batch's heartbeat (one timer for all of them; see ``pacer``)."""
         if runner is not None:
             self.settled.set()
+
+    @property
+    def phase(self) -> Phase:
+        """Where start-up is: starting (a stage, maybe what it waits for), ready, or failed."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: Phase) -> None:
+        self._phase = phase
+        self._phase_changed.set()
+        self._phase_changed = trio.Event()
+
+    async def wait_for_phase(self, predicate: Callable[[Phase], bool]) -> Phase:
+        """Sleep until ``predicate(phase)`` holds (woken by every change); return the phase."""
+        while not predicate(self._phase):
+            await self._phase_changed.wait()
+        return self._phase
+
+    @property
+    def tracks_episodes(self) -> bool:
+        """Whether rows are episodes with identities of their own: with the checkpoint control
+        plane on. Off, the host runs rows as the upstream host does — two rows of one identity
+        both run, and results gain no identity key the row did not carry."""
+        return bool(self.config.control_token)
 
     def _state_participant(self) -> StateParticipant | None:
         return self._runner if isinstance(self._runner, StateParticipant) else None
@@ -159,44 +188,71 @@ class Host:
             raise RuntimeError("the runner is not loaded yet; call check_accepting() first")
         return self._runner
 
-    async def bootstrap(self) -> None:
+    async def bootstrap(self, services: trio.Nursery) -> None:
         """Run the start-up stages; on failure, keep serving ``/health`` with the reason.
 
-        Stages: ``installing`` (the environment package, :mod:`trio_gym.install`), then
-        ``starting_runner`` (importing the runner, in a worker thread so that a slow import
-        leaves ``/health`` answering). Never raises but ``Cancelled``: a failure is recorded in
-        :attr:`phase` for the orchestrator to read, and the process stays up to report it.
+        Stages: ``installing`` (the environment package, :mod:`trio_gym.install`), for runner
+        ``gym`` then ``starting_gym`` (the environment's Gym deployment, started as a task of
+        ``services``, which outlives every connection), then ``starting_runner`` (importing the
+        runner, in a worker thread so that a slow import leaves ``/health`` answering). Never
+        raises but ``Cancelled``: a failure is recorded in :attr:`phase` for the orchestrator
+        to read, and the process stays up to report it.
         """
         try:
             if self._runner is None:
-                await self._run_stages()
+                with start_progress_to(self._note_progress):
+                    await self._run_stages(services)
         finally:
             self.settled.set()
 
-    async def _run_stages(self) -> None:
+    async def _run_stages(self, services: trio.Nursery) -> None:
         try:
             self._enter("installing")
-            await install_environment(self.config)
+            package = await install_environment(self.config)
+            head_server = ""
+            if self.config.runner == "gym":
+                self._enter("starting_gym")
+                deployment = GymDeployment(self.config, package)
+                ready: GymReady = await services.start(self._keep_gym, deployment)
+                head_server = ready.head_url
             self._enter("starting_runner")
             # Abandoned if cancelled: an import cannot be interrupted, and shutdown must not wait
             # for one that hangs (the worker thread is a daemon; it dies with the process).
-            runner = await trio.to_thread.run_sync(load_runner, self.config, abandon_on_cancel=True)
+            runner = await trio.to_thread.run_sync(
+                partial(load_runner, self.config, gym_head_server=head_server),
+                abandon_on_cancel=True,
+            )
             start = getattr(runner, "start", None)
             if start is not None:
                 await start()
             self._runner = runner
         except Exception as exc:  # the boundary: a user's package or module may fail any way
             assert isinstance(self.phase, Starting)
-            message = str(exc) if isinstance(exc, InstallError) else f"{type(exc).__name__}: {exc}"
-            self.phase = Failed(self.phase.stage, message)
-            log_event("stage_failed", stage=self.phase.stage, error=message)
+            known = isinstance(exc, InstallError | GymStartFailed)
+            self._fail(self.phase.stage, str(exc) if known else f"{type(exc).__name__}: {exc}")
             return
         self.phase = Ready()
         log_event("ready", runner=self.config.runner)
 
+    async def _keep_gym(
+        self, deployment: GymDeployment, *, task_status: trio.TaskStatus[GymReady]
+    ) -> None:
+        """Own the Gym deployment for as long as the host serves; one that exits by itself
+        leaves the host ``failed`` at once (its rows cannot run anywhere)."""
+        ended = await deployment.run(task_status=task_status)
+        self._fail("gym", ended)
+
+    def _fail(self, stage: str, message: str) -> None:
+        self.phase = Failed(stage, message)
+        log_event("stage_failed", stage=stage, error=message)
+
     def _enter(self, stage: str) -> None:
         self.phase = Starting(stage)
         log_event("stage_started", stage=stage)
+
+    def _note_progress(self, detail: str) -> None:
+        if isinstance(self.phase, Starting):
+            self.phase = Starting(self.phase.stage, detail)
 
     async def close_runner(self) -> None:
         """Let the runner release what it holds (its optional ``aclose``), once serving ended."""
@@ -261,7 +317,10 @@ class Host:
             error = {"code": refusal.code.value, "message": self.phase.message}
             return 503, {"status": "failed", "stage": self.phase.stage, "error": error}
         assert isinstance(self.phase, Starting)
-        return 503, {"status": "starting", "stage": self.phase.stage}
+        starting: dict[str, object] = {"status": "starting", "stage": self.phase.stage}
+        if self.phase.detail:
+            starting["detail"] = self.phase.detail
+        return 503, starting
 
 
 def new_batch_id() -> str:

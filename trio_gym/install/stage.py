@@ -22,7 +22,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections import deque
 from collections.abc import MutableMapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -32,12 +31,11 @@ import trio
 
 from trio_gym.config import ServeConfig
 from trio_gym.logs import log_event
+from trio_gym.processes import OutputTail
 
 from .package import EnvironmentPackage, PackageError, has_manifest, load_package
 
 SITE_PACKAGES: Final = "wheels-v1-site-packages"
-# How much of uv's output a failure message quotes (all of it is in the log).
-OUTPUT_TAIL_LINES: Final = 15
 
 
 class InstallError(Exception):
@@ -172,8 +170,8 @@ def _point_at(
 async def run_logged(argv: Sequence[str], *, env: dict[str, str], timeout_s: float) -> None:
     """Run ``argv``, logging each output line as it comes; raise :class:`InstallError` unless
     it exits 0 within ``timeout_s``. Cancelled (or timed out), the child is killed."""
-    tail: deque[str] = deque(maxlen=OUTPUT_TAIL_LINES)
     name = Path(argv[0]).name
+    tail = OutputTail(name)
     log_event("process_started", argv=list(argv))
     try:
         with trio.move_on_after(timeout_s) as deadline:
@@ -189,8 +187,8 @@ async def run_logged(argv: Sequence[str], *, env: dict[str, str], timeout_s: flo
                 )
                 process: trio.Process = await nursery.start(run)
                 assert process.stdout is not None and process.stderr is not None
-                nursery.start_soon(_log_lines, name, "stdout", process.stdout, tail)
-                nursery.start_soon(_log_lines, name, "stderr", process.stderr, tail)
+                nursery.start_soon(tail.pump, "stdout", process.stdout)
+                nursery.start_soon(tail.pump, "stderr", process.stderr)
     except OSError as exc:
         raise InstallError(f"could not run {argv[0]}: {exc}") from exc
     if deadline.cancelled_caught:
@@ -198,25 +196,4 @@ async def run_logged(argv: Sequence[str], *, env: dict[str, str], timeout_s: flo
             f"{name} did not finish within {timeout_s:g} s (install_timeout_s) and was stopped"
         )
     if process.returncode != 0:
-        output = "\n".join(tail)
-        raise InstallError(f"{name} exited with status {process.returncode}:\n{output}")
-
-
-async def _log_lines(
-    name: str, stream_name: str, stream: trio.abc.ReceiveStream, tail: deque[str]
-) -> None:
-    pending = b""
-    while data := await stream.receive_some(65536):
-        pending += data
-        *lines, pending = pending.split(b"\n")
-        for line in lines:
-            _note(name, stream_name, line, tail)
-    if pending:
-        _note(name, stream_name, pending, tail)
-
-
-def _note(name: str, stream_name: str, line: bytes, tail: deque[str]) -> None:
-    text = line.decode("utf-8", "replace").rstrip()
-    if text:
-        tail.append(text)
-        log_event("process_output", process=name, stream=stream_name, line=text)
+        raise InstallError(f"{name} exited with status {process.returncode}:\n{tail.text()}")

@@ -15,6 +15,7 @@ is a ``400`` naming it rather than a failure minutes into the batch.
 
 An optional ``async def start(self)`` runs once in the host's ``starting_runner`` stage (reach a
 registry, warm a cache); if it raises, ``/health`` reports ``bootstrap_failed`` with the reason.
+While it waits for something, :func:`report_start_progress` says what, and ``/health`` shows it.
 An optional ``async def aclose(self)`` runs once when the host has stopped serving.
 ``check_example`` is called on the trio thread for small request bodies and on a worker thread
 for large ones (over 1 MiB): it must be a pure check, touching no trio or event-loop state.
@@ -36,7 +37,9 @@ also implements :class:`StateParticipant`, so a checkpoint exports and restores 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 
 import attrs
@@ -44,6 +47,30 @@ import trio
 
 StepMode = Literal["wait", "replay"]
 T = TypeVar("T")
+
+
+# Where report_start_progress goes: set by the host around the start stages. A context variable,
+# so a runner's start() (and whatever it calls) can report without being handed the host.
+_start_progress: ContextVar[Callable[[str], None] | None] = ContextVar(
+    "trio_gym_start_progress", default=None
+)
+
+
+def report_start_progress(detail: str) -> None:
+    """Say what a starting runner is waiting for (``/health`` shows it beside the stage)."""
+    report = _start_progress.get()
+    if report is not None:
+        report(detail)
+
+
+@contextmanager
+def start_progress_to(report: Callable[[str], None]) -> Iterator[None]:
+    """Within the block, :func:`report_start_progress` calls ``report``."""
+    token = _start_progress.set(report)
+    try:
+        yield
+    finally:
+        _start_progress.reset(token)
 
 
 class StepInterrupted(Exception):

@@ -1,150 +1,362 @@
-"""The optional ``gym`` runner: NeMo Gym's own client, kept in an asyncio world of its own.
+"""The ``gym`` runner: the host starts the environment's own NeMo Gym deployment and owns it.
 
-``nemo_gym`` is asyncio code (aiohttp, a global event loop); the host is trio. They never share
-a thread: :class:`AsyncioThread` runs one asyncio event loop on a dedicated daemon thread, each
-example's coroutine becomes a task there, and the trio side waits for it without blocking trio.
-Cancelling the trio task (deadline, caller gone, shutdown) cancels the asyncio task, and the
-trio side waits — bounded — until asyncio has finished cancelling it, so nothing Gym started is
-left running behind a cancelled example.
+Gym is started with Gym's own launcher (``gym env start``, what ``ng_run`` runs) by the Python
+that has ``nemo_gym`` (``gym_python``; by default this interpreter, when ``nemo_gym`` imports
+here). Its global config is the caller's ``gym_global_config`` (``NMP_GYM_GLOBAL_CONFIG``) with
+the environment package's ``config_paths`` (resolved inside the package) in front of the
+caller's own, and a head server on a loopback port the host chooses unless the config names
+one. The package root is Gym's first search root (``NEMO_GYM_EXTRA_ROOTS``), so its servers are
+found there before Gym's built-in ones; Gym works in ``<work_path>/gym`` (its caches, results
+and per-server venvs), never in the package.
 
-``nemo_gym`` needs Python >= 3.13.14 and weighs about 1.5 GB; it is not a dependency. Without
-it, ``--runner gym`` fails at start with a message that names ``--runner agents``, which speaks
-the same ``/run`` protocol natively.
+The whole deployment — Gym's launcher, Ray, every server — is one process tree under the
+host's guard (:mod:`trio_gym.processes`): stopped with the host (SIGTERM, then SIGKILL after
+``gym_stop_grace_s``), and with a host killed outright too. The host is ``starting`` (stage
+``starting_gym``) until the head server's ``/health`` is 200 and every server it lists answers,
+within ``gym_start_timeout_s``. Rows then go through the native :mod:`.agents` machinery via
+that head server. If Gym exits, before or after it was ready, the host is ``failed`` with the
+end of Gym's output.
+
+Gym's children inherit the host's environment as the installer stage left it (``UV_OFFLINE``,
+``UV_FIND_LINKS``, ``PYTHONPATH``: Gym's per-server venv builds are what they govern), plus
+``NMP_DATASET_PATH`` / ``NMP_BROKER_URL`` / ``NMP_BROKER_TOKEN`` from the config, and never the
+host's control token.
 """
 
 from __future__ import annotations
 
-import asyncio
+import copy
 import importlib.util
-import threading
-from collections.abc import Callable, Coroutine, Mapping
-from typing import Any, Final, TypeVar
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Mapping, MutableMapping
+from functools import partial
+from pathlib import Path
+from typing import Any, Final
 
+import attrs
 import trio
+import yaml
 
-from trio_gym.http import Endpoint, HttpLimits
-from trio_gym.runners.agents import agent_name, read_deployment, routes_of
-from trio_gym.runners.base import ExampleContext
+from trio_gym.config import ServeConfig
+from trio_gym.http import Endpoint, HttpLimits, StreamOpener, open_tcp
+from trio_gym.install import EnvironmentPackage
+from trio_gym.logs import log_event
+from trio_gym.processes import ProcessTree, run_process_tree
 
-T = TypeVar("T")
+from .agents import AgentError, wait_for_deployment
 
-# How long a cancelled example waits for its asyncio task to finish cancelling: Gym's handlers
-# close their connections in `finally`; a task that ignores cancellation is abandoned after this.
-CANCEL_GRACE_S: Final = 5.0
-
-
-def gym_available() -> bool:
-    return importlib.util.find_spec("nemo_gym") is not None
-
-
-class AsyncioThread:
-    """An asyncio event loop on a daemon thread of its own, for asyncio code called from trio."""
-
-    def __init__(self, name: str = "trio-gym-asyncio") -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        try:
-            self._loop.run_forever()
-        finally:
-            self._loop.close()
-
-    async def call(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-        """Run ``make()`` as a task on the asyncio loop; return its result or raise its error.
-
-        A checkpoint. Cancelled, it cancels the asyncio task and waits up to ``CANCEL_GRACE_S``
-        for the task to *finish* (its ``finally`` blocks included) before letting ``Cancelled``
-        propagate.
-        """
-        finished = trio.Event()
-        token = trio.lowlevel.current_trio_token()
-        started: list[asyncio.Task[T]] = []
-        failed: list[BaseException] = []
-
-        def start() -> None:  # runs on the asyncio thread
-            try:
-                task = self._loop.create_task(make())
-            except Exception as exc:  # make() itself raised: there is no task to wait for
-                failed.append(exc)
-                token.run_sync_soon(finished.set)
-                return
-            task.add_done_callback(lambda _: token.run_sync_soon(finished.set))
-            started.append(task)
-
-        def cancel() -> None:  # runs on the asyncio thread, after start()
-            if started:
-                started[0].cancel()
-
-        self._loop.call_soon_threadsafe(start)
-        try:
-            await finished.wait()
-        finally:
-            if not finished.is_set():
-                self._loop.call_soon_threadsafe(cancel)
-                with trio.move_on_after(CANCEL_GRACE_S, shield=True):
-                    await finished.wait()
-        if failed:
-            raise failed[0]
-        return started[0].result()
-
-    def close(self) -> None:
-        """Stop the loop and wait for its thread (idempotent); unfinished tasks are dropped."""
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
+# Gym's own command line entry (the `gym` console script), run by an interpreter given by path:
+# `python -m nemo_gym.cli.main` runs nothing (the module has no __main__ block).
+LAUNCHER: Final = "import sys; from nemo_gym.cli.main import main; sys.argv[0] = 'gym'; main()"
+# The upstream orchestrator's component choice inside the Gym config; not Gym's own key.
+SELECTION_KEY: Final = "_nmp_environment_component_selection"
+# Marks every process of one deployment (environment variables are inherited): for operators
+# and tests that want to find them all.
+DEPLOYMENT_VARIABLE: Final = "TRIO_GYM_GYM_DEPLOYMENT"
+# Never handed to Gym: the environment's code has no business with the host's control plane.
+WITHHELD_VARIABLES: Final = ("NMP_CONTROL_TOKEN",)
+# How long asking an interpreter whether it has nemo_gym may take.
+PYTHON_CHECK_TIMEOUT_S: Final = 60.0
+LOOPBACK: Final = "127.0.0.1"
 
 
-class GymRunner:
-    """Runs each example through ``nemo_gym``'s ``ServerClient`` (``POST /run`` on its agent)."""
-
-    def __init__(self, head_server: str, *, limits: HttpLimits | None = None) -> None:
-        if not gym_available():
-            raise RuntimeError(
-                "the gym runner needs the nemo_gym package (Python >= 3.13.14; pip install "
-                "nemo-gym); --runner agents speaks the same /run protocol without it"
-            )
-        self._head = Endpoint.parse(head_server)
-        self._limits = limits or HttpLimits()
-        self._asyncio = AsyncioThread()
-        self._client: Any = None
-        self._routes: dict[str, str] = {}
-
-    async def start(self) -> None:
-        """Read the deployment from the head server and build Gym's client for it."""
-        deployment = await read_deployment(self._head, limits=self._limits)
-        self._routes = {agent: server for agent, (server, _) in routes_of(deployment).items()}
-        self._client = await self._asyncio.call(lambda: _gym_client(self._head, deployment))
-
-    async def aclose(self) -> None:
-        """Stop the asyncio thread (the host calls this when it stops)."""
-        self._asyncio.close()
-
-    def check_example(self, example: Mapping[str, Any]) -> None:
-        agent_name(example)
-
-    async def run_example(self, example: Mapping[str, Any], context: ExampleContext) -> Any:
-        name = agent_name(example)
-        server = self._routes.get(name, name)  # through its environment server, as Gym routes
-        client = self._client
-        return await self._asyncio.call(lambda: _gym_run(client, server, dict(example)))
+class GymStartFailed(Exception):
+    """The deployment could not be started; the message says why and what to change."""
 
 
-async def _gym_client(head: Endpoint, deployment: Mapping[str, Any]) -> Any:
-    """Gym's ``ServerClient`` for the deployment; built on the asyncio thread, where it lives."""
-    from nemo_gym.config_types import BaseServerConfig
-    from nemo_gym.server_utils import ServerClient
-    from omegaconf import OmegaConf
-
-    return ServerClient(
-        head_server_config=BaseServerConfig(host=head.host, port=head.port),
-        global_config_dict=OmegaConf.create(dict(deployment)),
+def gym_python(configured: str) -> str:
+    """The interpreter to run Gym with: ``configured``, else this one if it has nemo_gym."""
+    if configured:
+        return configured
+    if importlib.util.find_spec("nemo_gym") is not None:
+        return sys.executable
+    raise GymStartFailed(
+        "runner 'gym' needs a Python that has nemo_gym (nemo-gym needs Python >= 3.13.14), and "
+        "this one has not; name it with --gym-python (NMP_GYM_PYTHON), or run a deployment "
+        "yourself and use --runner agents --head-server URL"
     )
 
 
-async def _gym_run(client: Any, agent: str, example: dict[str, Any]) -> Any:
-    response = await client.post(server_name=agent, url_path="/run", json=example)
-    response.raise_for_status()
-    return await response.json()
+async def check_gym_python(python: str) -> None:
+    """Raise :class:`GymStartFailed` unless ``python`` runs and can import nemo_gym (found
+    without importing it, which takes seconds)."""
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('nemo_gym') is None)"
+    try:
+        with trio.fail_after(PYTHON_CHECK_TIMEOUT_S):
+            result = await trio.run_process(
+                [python, "-c", probe],
+                stdin=b"",
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+    except OSError as exc:
+        raise GymStartFailed(f"cannot run the Gym Python {python!r}: {exc}") from exc
+    except trio.TooSlowError as exc:
+        raise GymStartFailed(f"the Gym Python {python!r} did not answer within 60 s") from exc
+    if result.returncode != 0:
+        raise GymStartFailed(
+            f"the Gym Python {python!r} cannot import nemo_gym; install nemo-gym there or name "
+            "another with --gym-python (NMP_GYM_PYTHON)"
+        )
+
+
+def _package_components(package: EnvironmentPackage) -> tuple[set[str], set[str]]:
+    return set(package.agents), set(package.resources_servers)
+
+
+def gym_global_config(
+    given: Mapping[str, Any],
+    package: EnvironmentPackage | None,
+    *,
+    head_port: int,
+    environ: Mapping[str, str],
+) -> dict[str, Any]:
+    """Gym's global config: ``given`` with the package's configs, a head server, and the
+    operator's uv directories.
+
+    - ``config_paths``: the package's (absolute, inside the package) first, then the upstream
+      orchestrator's component choice (``_nmp_environment_component_selection``: an agent or
+      resources server the package lacks, and the operator's model config, resolved by Gym
+      from its search roots), then ``given``'s own.
+    - ``head_server``: ``127.0.0.1:head_port`` unless ``given`` names it.
+    - ``uv_cache_dir`` / ``uv_venv_dir``: from ``UV_CACHE_DIR`` / ``NEMO_GYM_VENV_DIR`` when set
+      and ``given`` does not name them (Gym overwrites ``UV_CACHE_DIR`` from its config).
+
+    Raises :class:`GymStartFailed` for a component choice that cannot be honoured.
+    """
+    config = copy.deepcopy(dict(given))
+    selection = config.pop(SELECTION_KEY, None)
+    paths: list[str] = []
+    if package is not None:
+        paths.extend(str(package.root / path) for path in package.config_paths)
+    if selection is not None:
+        paths.extend(_selected_paths(selection, package))
+    own = config.get("config_paths") or []
+    if not isinstance(own, list) or not all(isinstance(path, str) for path in own):
+        raise GymStartFailed(
+            f"gym_global_config: config_paths must be a list of paths, not {own!r}"
+        )
+    paths.extend(own)
+    if paths:
+        config["config_paths"] = list(dict.fromkeys(paths))
+    head = config.get("head_server")
+    if head is None:
+        config["head_server"] = {"host": LOOPBACK, "port": head_port}
+    elif not isinstance(head, Mapping):
+        raise GymStartFailed(f"gym_global_config: head_server must be a mapping, not {head!r}")
+    else:
+        config["head_server"] = {"host": LOOPBACK, "port": head_port, **head}
+    for key, variable in (("uv_cache_dir", "UV_CACHE_DIR"), ("uv_venv_dir", "NEMO_GYM_VENV_DIR")):
+        if key not in config and environ.get(variable):
+            config[key] = environ[variable]
+    return config
+
+
+def _selected_paths(selection: Any, package: EnvironmentPackage | None) -> list[str]:
+    """The config paths the upstream orchestrator's component choice adds (see its docstring)."""
+    if package is None:
+        raise GymStartFailed(
+            f"gym_global_config: {SELECTION_KEY} chooses components of an environment package, "
+            "but there is none; set NMP_ENVIRONMENT_PATH"
+        )
+    if not isinstance(selection, Mapping):
+        raise GymStartFailed(f"gym_global_config: {SELECTION_KEY} must be a mapping")
+    for field in ("agent_instance", "resources_server_instance", "resources_server_config"):
+        if not isinstance(selection.get(field), str) or not selection[field]:
+            raise GymStartFailed(f"gym_global_config: {SELECTION_KEY}.{field} must be a name")
+    if not isinstance(selection.get("model_config"), str) or not selection["model_config"]:
+        raise GymStartFailed(f"gym_global_config: {SELECTION_KEY}.model_config must be a path")
+    agents, resources = _package_components(package)
+    paths = []
+    if selection["agent_instance"] not in agents:
+        agent_config = selection.get("agent_config")
+        if not isinstance(agent_config, str) or not agent_config:
+            raise GymStartFailed(
+                f"the environment package has no agent {selection['agent_instance']!r} and "
+                f"{SELECTION_KEY}.agent_config names no built-in one"
+            )
+        paths.append(agent_config)
+    paths.append(selection["model_config"])  # model configuration is the operator's, always
+    if selection["resources_server_instance"] not in resources:
+        paths.append(selection["resources_server_config"])
+    return paths
+
+
+def gym_environment(
+    environ: Mapping[str, str], config: ServeConfig, package: EnvironmentPackage | None, tag: str
+) -> dict[str, str]:
+    """The environment Gym runs in (see the module docstring)."""
+    env = {name: value for name, value in environ.items() if name not in WITHHELD_VARIABLES}
+    for variable, value in (
+        ("NMP_DATASET_PATH", config.dataset_path),
+        ("NMP_BROKER_URL", config.broker_url),
+        ("NMP_BROKER_TOKEN", config.broker_token),
+    ):
+        if value:
+            env[variable] = value
+    if package is not None:
+        roots = [str(package.root), *env.get("NEMO_GYM_EXTRA_ROOTS", "").split(os.pathsep)]
+        env["NEMO_GYM_EXTRA_ROOTS"] = os.pathsep.join(dict.fromkeys(r for r in roots if r))
+    if "ray_head_node_address" not in (config.gym_global_config or {}):
+        # Gym starts a Ray of its own: single-node, on loopback rather than on every interface
+        # of the sandbox (Ray's switch for it is named after the platforms where it is the default).
+        env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    env["PYTHONUNBUFFERED"] = "1"  # Gym's output reaches the log (and a failure's tail) as printed
+    env[DEPLOYMENT_VARIABLE] = tag
+    return env
+
+
+def _hydra_quoted(path: str) -> str:
+    escaped = path.replace("\\", "\\\\").replace("'", "\\'")
+    return f"'{escaped}'"
+
+
+def launch_argv(python: str, config_file: Path) -> list[str]:
+    return [
+        python,
+        "-c",
+        LAUNCHER,
+        "env",
+        "start",
+        f"+config_paths=[{_hydra_quoted(str(config_file))}]",
+    ]
+
+
+def write_global_config(work: Path, config: Mapping[str, Any]) -> Path:
+    """Write the config Gym starts from into its working directory; return the file."""
+    work.mkdir(parents=True, exist_ok=True)
+    config_file = work / "trio-gym-global-config.yaml"
+    config_file.write_text(yaml.safe_dump(dict(config), sort_keys=False), encoding="utf-8")
+    return config_file
+
+
+def free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def head_endpoint(config: Mapping[str, Any]) -> Endpoint:
+    """Where this host reaches the head server the config names (loopback for a wildcard)."""
+    head = config["head_server"]
+    host = str(head.get("host") or LOOPBACK)
+    if host in ("0.0.0.0", "::", ""):
+        host = LOOPBACK
+    return Endpoint(host, int(head["port"]), "")
+
+
+@attrs.frozen
+class GymReady:
+    """A deployment that is up: the head server's URL, for the ``agents`` machinery."""
+
+    head_url: str
+
+
+class GymDeployment:
+    """One Gym deployment, owned by the task that runs :meth:`run`."""
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        package: EnvironmentPackage | None,
+        *,
+        environ: MutableMapping[str, str] | None = None,
+        opener: StreamOpener = open_tcp,
+    ) -> None:
+        self.config = config
+        self.package = package
+        self.environ = os.environ if environ is None else environ
+        self.opener = opener
+        self.limits: HttpLimits = config.http_limits()
+
+    async def run(
+        self, *, task_status: trio.TaskStatus[GymReady] = trio.TASK_STATUS_IGNORED
+    ) -> str:
+        """Start Gym, report it through ``task_status`` once it is up, and return — saying so —
+        once it has exited by itself. Cancelled, it stops the whole deployment first.
+
+        Raises :class:`GymStartFailed` (the deployment stopped) if it does not come up within
+        ``gym_start_timeout_s`` or exits before.
+        """
+        python = gym_python(self.config.gym_python)
+        await check_gym_python(python)
+        if self.config.work_path:
+            return await self._run_in(Path(self.config.work_path) / "gym", python, task_status)
+        scratch = Path(
+            tempfile.mkdtemp(prefix="trio-gym-gym-")
+        )  # no work path: Gym's own, gone after
+        try:
+            return await self._run_in(scratch, python, task_status)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    async def _run_in(self, work: Path, python: str, task_status: trio.TaskStatus[GymReady]) -> str:
+        config = gym_global_config(
+            self.config.gym_global_config or {},
+            self.package,
+            head_port=free_loopback_port(),
+            environ=self.environ,
+        )
+        config_file = write_global_config(work, config)
+        head = head_endpoint(config)
+        tag = f"{os.getpid()}-{free_loopback_port()}"
+        argv = launch_argv(python, config_file)
+        env = gym_environment(self.environ, self.config, self.package, tag)
+        log_event("gym_starting", head_server=head.authority, work=str(work), deployment=tag)
+        start = partial(
+            run_process_tree,
+            argv,
+            name="gym",
+            env=env,
+            cwd=str(work),
+            stop_grace_s=self.config.gym_stop_grace_s,
+        )
+        failure: str | None = None
+        async with trio.open_nursery() as nursery:
+            try:
+                tree: ProcessTree = await nursery.start(start)
+            except OSError as exc:
+                failure = f"cannot start Gym's guard: {exc}"
+            else:
+                failure = await self._until_up(head, tree)
+                if failure is None:
+                    log_event("gym_ready", head_server=head.authority, deployment=tag)
+                    task_status.started(GymReady(f"http://{head.authority}"))
+                    status = await tree.wait()
+                    return f"the Gym deployment exited with status {status}:\n{tree.output.text()}"
+                failure = f"{failure}\n{tree.output.text()}"
+                nursery.cancel_scope.cancel()  # stops the deployment
+        raise GymStartFailed(failure)
+
+    async def _until_up(self, head: Endpoint, tree: ProcessTree) -> str | None:
+        """``None`` once the deployment is up; else why it will not be (it exited first, or
+        did not come up in time)."""
+        failure: str | None = None
+
+        async def note_exit(scope: trio.CancelScope) -> None:
+            nonlocal failure
+            status = await tree.wait()
+            failure = f"Gym exited with status {status} before it was up"
+            scope.cancel()
+
+        async with trio.open_nursery() as race:
+            race.start_soon(note_exit, race.cancel_scope)
+            try:
+                await wait_for_deployment(
+                    head,
+                    limits=self.limits,
+                    opener=self.opener,
+                    timeout_s=self.config.gym_start_timeout_s,
+                    backoff_s=self.config.agent_retry_backoff_s,
+                    probe_servers=True,
+                )
+            except AgentError as exc:
+                failure = str(exc)
+            race.cancel_scope.cancel()
+        return failure

@@ -8,17 +8,17 @@ from trio_gym.config import ServeConfig
 from trio_gym.runners.agents import AgentSettings, AgentsRunner
 from trio_gym.runners.base import Runner
 from trio_gym.runners.example import ExampleRunner
-from trio_gym.runners.gym import GymRunner
 
 
 class RunnerLoadError(Exception):
     """The runner setting names nothing usable; the message says what and how to fix it."""
 
 
-def load_runner(config: ServeConfig) -> Runner:
+def load_runner(config: ServeConfig, *, gym_head_server: str = "") -> Runner:
     """The runner ``config.runner`` names: ``"example"``, ``"agents"`` (with ``config.agents``
-    or ``config.head_server``), ``"gym"`` (with ``config.head_server``; needs ``nemo_gym``), or
-    ``"package.module:factory"`` where ``factory()`` returns one.
+    or ``config.head_server``), ``"gym"`` (the deployment the host started, reached through its
+    head server ``gym_head_server`` as ``agents`` reaches any), or ``"package.module:factory"``
+    where ``factory()`` returns one.
 
     Raises :class:`RunnerLoadError`. Importing runs the user's module, so this is the host's
     "starting runner" stage, reported on ``/health``, not something done while parsing config.
@@ -26,16 +26,14 @@ def load_runner(config: ServeConfig) -> Runner:
     spec = config.runner
     if spec == "example":
         return ExampleRunner()
-    if spec == "gym":
+    if spec == "gym" and not gym_head_server:
+        raise RunnerLoadError("runner 'gym': the host starts the Gym deployment first")
+    if spec in ("agents", "gym"):
+        settings = AgentSettings.from_config(config, head_server=gym_head_server or None)
         try:
-            return GymRunner(config.head_server, limits=config.http_limits())
-        except (RuntimeError, ValueError) as exc:
-            raise RunnerLoadError(f"runner 'gym': {exc}") from exc
-    if spec == "agents":
-        try:
-            return AgentsRunner(AgentSettings.from_config(config), limits=config.http_limits())
+            return AgentsRunner(settings, limits=config.http_limits())
         except ValueError as exc:
-            raise RunnerLoadError(f"runner 'agents': {exc}") from exc
+            raise RunnerLoadError(f"runner {spec!r}: {exc}") from exc
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
         raise RunnerLoadError(

@@ -1,0 +1,146 @@
+"""An OpenAI-compatible model server on loopback for the real NeMo Gym suite: it answers at once.
+
+Gym's ``openai_model`` server calls ``POST {policy_base_url}/responses``; this serves it (and
+``GET /models``, which Gym's readiness probe reaches). What it answers depends on the last user
+message of the request:
+
+- contains ``[fail]``: HTTP 500 (the model rejects the call; Gym's agent fails);
+- contains ``[hang]``: no answer until the caller hangs up (counted in ``disconnects``);
+- contains ``[no-tool]``: a plain message, so the ``get_weather`` verifier rewards 0;
+- otherwise: a ``get_weather`` call first, then, once the tool's output is in the input, a plain
+  message — the verifier rewards 1.
+
+Written with h11 directly, like ``tests/fake_gym.py``: it tests the project, so it does not use it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import trio
+
+from tests.fake_gym import read_request, respond
+
+_ids = itertools.count()
+
+
+def _response(output: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "id": f"resp-{next(_ids)}",
+        "created_at": 1.0,
+        "model": "stub",
+        "object": "response",
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "output": output,
+    }
+
+
+def _message(text: str) -> dict[str, Any]:
+    return {
+        "id": f"msg-{next(_ids)}",
+        "content": [{"annotations": [], "text": text, "type": "output_text"}],
+        "role": "assistant",
+        "status": "completed",
+        "type": "message",
+    }
+
+
+def _weather_call() -> dict[str, Any]:
+    return {
+        "id": f"fc-{next(_ids)}",
+        "call_id": f"call-{next(_ids)}",
+        "name": "get_weather",
+        "arguments": '{"city": "San Francisco"}',
+        "type": "function_call",
+        "status": "completed",
+    }
+
+
+def _last_user_text(request: dict[str, Any]) -> str:
+    items = request.get("input")
+    if isinstance(items, str):
+        return items
+    texts = [
+        item["content"]
+        for item in items or []
+        if isinstance(item, dict)
+        and item.get("role") == "user"
+        and isinstance(item["content"], str)
+    ]
+    return texts[-1] if texts else ""
+
+
+def _has_tool_output(request: dict[str, Any]) -> bool:
+    items = request.get("input")
+    return isinstance(items, list) and any(
+        isinstance(item, dict) and item.get("type") == "function_call_output" for item in items
+    )
+
+
+class StubModel:
+    """Serves the model on loopback; counts calls, calls in flight and callers that hung up."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.calls = 0
+        self.running = 0
+        self.disconnects = 0
+        self._changed = trio.Event()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def _note(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def wait_for(self, predicate: Any) -> None:
+        while not predicate(self):
+            await self._changed.wait()
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self.port)
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            head, body = await read_request(stream)
+        except (EOFError, trio.BrokenResourceError):
+            return
+        if head.method == b"GET":
+            await respond(stream, 200, b'{"object": "list", "data": [{"id": "stub"}]}')
+            return
+        request = json.loads(body)
+        text = _last_user_text(request)
+        self.calls += 1
+        self.running += 1
+        self._note()
+        try:
+            if "[hang]" in text:
+                await self._hang_until_the_caller_leaves(stream)
+            elif "[fail]" in text:
+                await respond(stream, 500, b'{"error": {"message": "the stub model refuses"}}')
+            elif "[no-tool]" in text or _has_tool_output(request):
+                await respond(stream, 200, json.dumps(_response([_message("Sunny.")])).encode())
+            else:
+                await respond(stream, 200, json.dumps(_response([_weather_call()])).encode())
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        finally:
+            self.running -= 1
+            self._note()
+
+    async def _hang_until_the_caller_leaves(self, stream: trio.SocketStream) -> None:
+        try:
+            while await stream.receive_some(65536):
+                pass
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        self.disconnects += 1

@@ -1,0 +1,42 @@
+"""A child's output, logged line by line as it comes, with its last lines kept for an error."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Final
+
+import trio
+
+from trio_gym.logs import log_event
+
+# How much of a child's output a failure message quotes (all of it is in the log).
+TAIL_LINES: Final = 15
+
+
+class OutputTail:
+    """Logs every line a child prints as a ``process_output`` event and keeps the last few."""
+
+    def __init__(self, process: str, lines: int = TAIL_LINES) -> None:
+        self.process = process
+        self._lines: deque[str] = deque(maxlen=lines)
+
+    async def pump(self, stream_name: str, stream: trio.abc.ReceiveStream) -> None:
+        """Read ``stream`` to its end, a line at a time (a last line without a newline too)."""
+        pending = b""
+        while data := await stream.receive_some(65536):
+            pending += data
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                self._note(stream_name, line)
+        if pending:
+            self._note(stream_name, pending)
+
+    def _note(self, stream_name: str, line: bytes) -> None:
+        text = line.decode("utf-8", "replace").rstrip()
+        if text:
+            self._lines.append(text)
+            log_event("process_output", process=self.process, stream=stream_name, line=text)
+
+    def text(self) -> str:
+        """The last lines, oldest first, one per line."""
+        return "\n".join(self._lines)
