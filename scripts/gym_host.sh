@@ -6,7 +6,8 @@
 # RUNTIME is the Python interpreter whose environment has trio_gym installed (for example
 # /opt/venv/bin/python). It must be given: there is deliberately no fallback to a default path,
 # because a default names a file that may not exist in this image and fails late and obscurely.
-# NMP_* variables configure the host (see the README); when NMP_ENVIRONMENT_PATH names the
+# NMP_* variables configure the host (see the README); the host listens on all interfaces unless
+# NMP_RUNTIME_HTTP_HOST names one. When NMP_ENVIRONMENT_PATH names the
 # environment package, it goes first on PYTHONPATH so a runner shipped inside the package
 # (--runner mypackage.module:factory) can be imported.
 set -euo pipefail
@@ -28,6 +29,10 @@ if [[ "$("$runtime" -c 'import trio_gym; print("trio_gym ok")' 2>/dev/null)" != 
   echo "gym_host.sh: runtime '$runtime' cannot import trio_gym; install it into that environment" >&2
   exit 2
 fi
+
+# A sandbox publishes the host's port from outside, where loopback reaches nothing: listen on
+# every interface unless the launcher names an address (a --host flag still wins).
+export NMP_RUNTIME_HTTP_HOST=${NMP_RUNTIME_HTTP_HOST:-0.0.0.0}
 
 package=${NMP_ENVIRONMENT_PATH:-}
 if [[ -n "$package" && -d "$package" ]]; then

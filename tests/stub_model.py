@@ -10,6 +10,10 @@ message of the request:
 - otherwise: a ``get_weather`` call first, then, once the tool's output is in the input, a plain
   message — the verifier rewards 1.
 
+``GET /stats`` answers its counters (calls, calls in flight, callers that hung up), so a test in
+another process can read them. Run on its own, ``python -m tests.stub_model PORT_FILE`` listens
+on a free loopback port and writes the port to ``PORT_FILE``.
+
 Written with h11 directly, like ``tests/fake_gym.py``: it tests the project, so it does not use it.
 """
 
@@ -17,6 +21,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -114,6 +120,10 @@ class StubModel:
             head, body = await read_request(stream)
         except (EOFError, trio.BrokenResourceError):
             return
+        if head.method == b"GET" and head.target == b"/stats":
+            stats = {"calls": self.calls, "running": self.running, "disconnects": self.disconnects}
+            await respond(stream, 200, json.dumps(stats).encode())
+            return
         if head.method == b"GET":
             await respond(stream, 200, b'{"object": "list", "data": [{"id": "stub"}]}')
             return
@@ -144,3 +154,14 @@ class StubModel:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         self.disconnects += 1
+
+
+async def _main(port_file: Path) -> None:
+    model = StubModel()
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(model.serve)
+        await trio.Path(port_file).write_text(str(port))
+
+
+if __name__ == "__main__":
+    trio.run(_main, Path(sys.argv[1]))

@@ -160,19 +160,26 @@ def test_the_upstream_component_choice_adds_only_what_the_package_lacks(tmp_path
 
 def test_gym_gets_the_hosts_environment_but_never_its_control_token(tmp_path: Path) -> None:
     package = load_package(native_package(tmp_path / "env"))
-    environ = {"NMP_CONTROL_TOKEN": "secret", "UV_OFFLINE": "1", "NEMO_GYM_EXTRA_ROOTS": "/other"}
+    environ = {
+        "NMP_CONTROL_TOKEN": "secret",
+        "UV_OFFLINE": "1",
+        "NEMO_GYM_EXTRA_ROOTS": "/other",
+        "PATH": "/usr/bin:/opt/gym/bin",
+    }
     config = ServeConfig(
         runner="gym", gym_global_config={}, broker_url="http://b", broker_token="t"
     )
-    env = gym_environment(environ, config, package, "tag-1")
+    env = gym_environment(environ, config, package, python="/opt/gym/bin/python", tag="tag-1")
     assert "NMP_CONTROL_TOKEN" not in env and env["UV_OFFLINE"] == "1"
     assert env["NEMO_GYM_EXTRA_ROOTS"] == f"{package.root}:/other"
     assert (env["NMP_BROKER_URL"], env["NMP_BROKER_TOKEN"]) == ("http://b", "t")
     assert env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] == "0" and env[DEPLOYMENT_VARIABLE] == "tag-1"
+    assert env["PATH"].startswith("/opt/gym/bin:/usr/bin")  # Gym's environment, as if activated
     joining = ServeConfig(
         runner="gym", gym_global_config={"ray_head_node_address": "10.0.0.1:6379"}
     )
-    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in gym_environment({}, joining, None, "t")
+    alone = gym_environment({}, joining, None, python="/py", tag="t")
+    assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in alone
 
 
 def test_the_launcher_is_gyms_own_and_the_config_path_survives_hydra_quoting() -> None:

@@ -71,7 +71,8 @@ async def test_the_launcher_starts_the_host_with_the_package_on_pythonpath(tmp_p
     logs = LogReader(process.stderr)
     try:
         with trio.fail_after(HANG_GUARD_S):
-            port = (await logs.wait_for("listening"))["port"]
+            listening = await logs.wait_for("listening")
+            port = listening["port"]
             await logs.wait_for("ready")
             reply = await tcp_exchange(port, request_bytes({"examples": [{"seed": 2}]}))
             process.send_signal(signal.SIGTERM)  # exec'd: the signal reaches the host itself
@@ -80,6 +81,7 @@ async def test_the_launcher_starts_the_host_with_the_package_on_pythonpath(tmp_p
         if process.returncode is None:
             process.kill()
             await process.wait()
+    assert listening["host"] == "0.0.0.0"  # a sandbox's published port reaches it
     document = reply.json()
     assert document["job_id"] == "launched"
     assert document["results"][0]["runner"] == "packaged"

@@ -33,13 +33,19 @@ SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--runner": (
         "runner",
         str,
-        "example (the default), agents, gym, or package.module:factory",
+        "example (the default; gym with NMP_GYM_GLOBAL_CONFIG), agents, gym, or "
+        "package.module:factory",
     ),
     "--heartbeat-interval": ("heartbeat_interval_s", float, "seconds between heartbeats (15)"),
     "--deadline": ("rollout_deadline_s", float, "longest a batch may run, seconds (1800)"),
     "--max-request-bytes": ("max_request_bytes", int, "largest request body (256 MiB)"),
     "--max-response-bytes": ("max_response_bytes", int, "largest results document (256 MiB)"),
     "--head-server": ("head_server", str, "runner agents: a Gym head server listing the agents"),
+    "--gym-python": (
+        "gym_python",
+        str,
+        "runner gym: the Python that has nemo_gym (default: this one, if it has)",
+    ),
 }
 # The installer stage's flags, taken by both serve and install.
 INSTALL_FLAGS: dict[str, tuple[str, type, str]] = {

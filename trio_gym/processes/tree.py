@@ -27,6 +27,9 @@ from .output import OutputTail
 
 # Beyond the grace, how long the guard gets to finish SIGKILLing and exit.
 GUARD_MARGIN_S: Final = 5.0
+# Once the tree has ended, how long its last output may take to be read. Only a process that
+# escaped the tree could hold the pipe open longer; it is not waited for.
+OUTPUT_DRAIN_S: Final = 1.0
 
 
 class Lifeline(Protocol):
@@ -117,15 +120,22 @@ async def run_process_tree(
     assert guard.stdin is not None and guard.stdout is not None
     log_event("process_tree_started", process=name, guard_pid=guard.pid, argv=list(argv))
     tree = ProcessTree(name, guard, OutputTail(name))
+    output_read = trio.Event()
+
+    async def read_output(stream: trio.abc.ReceiveStream) -> None:
+        await tree.output.pump("output", stream)
+        output_read.set()
+
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(tree.output.pump, "output", guard.stdout)
+            nursery.start_soon(read_output, guard.stdout)
             task_status.started(tree)
             try:
                 await guard.wait()
             finally:
                 await stop_guard(guard, guard.stdin, stop_grace_s, name)
-                # Whatever still holds the output pipe is no reason to wait.
+                with trio.move_on_after(OUTPUT_DRAIN_S, shield=True):
+                    await output_read.wait()
                 nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):

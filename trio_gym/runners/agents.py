@@ -37,7 +37,9 @@ deployment that is not up yet — and again when a row names a server not yet kn
 
 from __future__ import annotations
 
+import ast
 import json
+import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final, TypeVar
 
@@ -90,6 +92,11 @@ ROW_KEYS_ON_RECORDS: Final = (
     ROLLOUT_ID_KEY,
 )
 ENVIRONMENT_SERVER_FAILED: Final = "environment_server_failed"
+
+# Each Gym hop that fails wraps its callee's error body as a bytes literal after this phrase.
+_INNER_ERROR: Final = re.compile(r"(?s)(.*?calling an inner server: )(b'.*'|b\".*\")")
+# Past this, an error body is quoted as it is, not taken apart.
+_UNWRAP_LIMIT: Final = 64 * 1024
 
 # The longest single wait between looks at a deployment that is not up yet.
 MAX_START_BACKOFF_S: Final = 5.0
@@ -470,6 +477,27 @@ class AgentDirectory:
         return await self.environment_server(route)
 
 
+def gym_error_text(body: bytes, limit: int = 1000) -> str:
+    """A Gym server's error body, readable: a JSON string read once, and each inner server's
+    body that Gym wrapped as a bytes literal (``calling an inner server: b'...'``) read in turn,
+    so a model's error three hops down reads as itself instead of under layers of escapes."""
+    text = readable_body(body[:_UNWRAP_LIMIT], limit=_UNWRAP_LIMIT)
+    for _ in range(10):  # hops, at most
+        wrapped = _INNER_ERROR.fullmatch(text)
+        if wrapped is None:
+            break
+        try:
+            inner = ast.literal_eval(wrapped.group(2))
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            break
+        if not isinstance(inner, bytes):
+            break
+        text = wrapped.group(1) + readable_body(inner, limit=_UNWRAP_LIMIT)
+    if len(text) > limit or len(body) > _UNWRAP_LIMIT:
+        return f"{text[:limit]} ... ({len(body)} bytes)"
+    return text
+
+
 def agent_name(example: Mapping[str, Any]) -> str:
     """The agent an example names in ``agent_ref``; ``ValueError`` (the runner protocol's
     refusal) if it names none."""
@@ -656,7 +684,7 @@ class AgentsRunner:
         where = f"{server.label} at {server.endpoint.authority}"
         if not 200 <= response.status < 300:
             raise AgentError(
-                f"{where} answered HTTP {response.status}: {readable_body(response.body)}"
+                f"{where} answered HTTP {response.status}: {gym_error_text(response.body)}"
             )
         try:
             answer = json.loads(response.body)

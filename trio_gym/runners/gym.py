@@ -19,12 +19,15 @@ end of Gym's output.
 
 Gym's children inherit the host's environment as the installer stage left it (``UV_OFFLINE``,
 ``UV_FIND_LINKS``, ``PYTHONPATH``: Gym's per-server venv builds are what they govern), plus
-``NMP_DATASET_PATH`` / ``NMP_BROKER_URL`` / ``NMP_BROKER_TOKEN`` from the config, and never the
-host's control token.
+``NMP_DATASET_PATH`` / ``NMP_BROKER_URL`` / ``NMP_BROKER_TOKEN`` from the config, the Gym
+Python's directory first on ``PATH`` (as if Gym's environment were activated), this host's ``uv``
+last on ``PATH`` when there is none (Gym's builds call ``uv``), and never the host's control
+token.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import os
@@ -43,7 +46,7 @@ import yaml
 
 from trio_gym.config import ServeConfig
 from trio_gym.http import Endpoint, HttpLimits, StreamOpener, open_tcp
-from trio_gym.install import EnvironmentPackage
+from trio_gym.install import EnvironmentPackage, InstallError, find_uv
 from trio_gym.logs import log_event
 from trio_gym.processes import ProcessTree, run_process_tree
 
@@ -188,10 +191,19 @@ def _selected_paths(selection: Any, package: EnvironmentPackage | None) -> list[
 
 
 def gym_environment(
-    environ: Mapping[str, str], config: ServeConfig, package: EnvironmentPackage | None, tag: str
+    environ: Mapping[str, str],
+    config: ServeConfig,
+    package: EnvironmentPackage | None,
+    *,
+    python: str,
+    tag: str,
 ) -> dict[str, str]:
     """The environment Gym runs in (see the module docstring)."""
     env = {name: value for name, value in environ.items() if name not in WITHHELD_VARIABLES}
+    # As if Gym's environment were activated, as its users run it: its per-server builds ask uv
+    # for the Gym Python's version, which uv then finds first (not, say, a pyenv shim of it).
+    path = [str(Path(python).parent), *env.get("PATH", os.defpath).split(os.pathsep)]
+    env["PATH"] = os.pathsep.join(dict.fromkeys(entry for entry in path if entry))
     for variable, value in (
         ("NMP_DATASET_PATH", config.dataset_path),
         ("NMP_BROKER_URL", config.broker_url),
@@ -202,6 +214,10 @@ def gym_environment(
     if package is not None:
         roots = [str(package.root), *env.get("NEMO_GYM_EXTRA_ROOTS", "").split(os.pathsep)]
         env["NEMO_GYM_EXTRA_ROOTS"] = os.pathsep.join(dict.fromkeys(r for r in roots if r))
+    if shutil.which("uv", path=env.get("PATH")) is None:
+        # Gym builds each server's venv with `uv` from PATH; this host has one (a dependency).
+        with contextlib.suppress(InstallError):
+            env["PATH"] = os.pathsep.join([env["PATH"], str(Path(find_uv(env)).parent)])
     if "ray_head_node_address" not in (config.gym_global_config or {}):
         # Gym starts a Ray of its own: single-node, on loopback rather than on every interface
         # of the sandbox (Ray's switch for it is named after the platforms where it is the default).
@@ -307,7 +323,7 @@ class GymDeployment:
         head = head_endpoint(config)
         tag = f"{os.getpid()}-{free_loopback_port()}"
         argv = launch_argv(python, config_file)
-        env = gym_environment(self.environ, self.config, self.package, tag)
+        env = gym_environment(self.environ, self.config, self.package, python=python, tag=tag)
         log_event("gym_starting", head_server=head.authority, work=str(work), deployment=tag)
         start = partial(
             run_process_tree,
