@@ -1169,6 +1169,273 @@ MUTATIONS = [
             "test_a_request_whose_answer_never_came_is_not_resent_under_the_same_id",
         ),
     ),
+    Mutation(
+        "the guard ignores its lifeline (#13)",
+        "trio_gym/processes/guard.py",
+        "            nursery.start_soon(_until_lifeline_ends, nursery.cancel_scope)\n",
+        "",
+        (
+            "tests/test_process_tree.py::test_a_tree_does_not_outlive_its_owner_however_the_owner_dies",
+            "tests/test_process_tree.py::test_cancelling_the_owner_stops_every_process_of_the_tree",
+            "tests/test_gym_real.py::test_no_gym_process_outlives_the_host",
+        ),
+    ),
+    Mutation(
+        "the guard is no subreaper: orphans that left the group escape (#13)",
+        "trio_gym/processes/guard.py",
+        "    _prctl(_PR_SET_CHILD_SUBREAPER, 1)\n",
+        "",
+        ("tests/test_process_tree.py::test_cancelling_the_owner_stops_every_process_of_the_tree",),
+    ),
+    Mutation(
+        "nothing is killed after the grace (#13)",
+        "trio_gym/processes/guard.py",
+        "        tree.signal(members, signal.SIGKILL)",
+        "        tree.signal(members, signal.SIGTERM)",
+        (
+            "tests/test_process_tree.py::test_what_outlives_the_grace_is_killed_at_its_end",
+            "tests/test_process_tree.py::test_cancelling_the_owner_stops_every_process_of_the_tree",
+        ),
+    ),
+    Mutation(
+        "the wait for a stopping guard is unbounded (#13)",
+        "trio_gym/processes/tree.py",
+        "        with trio.move_on_after(grace_s + GUARD_MARGIN_S):",
+        "        with trio.move_on_after(math.inf):",
+        (
+            "tests/test_process_tree.py::test_a_guard_that_does_not_exit_is_killed_after_grace_and_margin",
+        ),
+        also=(
+            (
+                "trio_gym/processes/tree.py",
+                "import subprocess\n",
+                "import math\nimport subprocess\n",
+            ),
+        ),
+    ),
+    Mutation(
+        "a cancelled owner does not wait for its tree to stop (#13)",
+        "trio_gym/processes/tree.py",
+        "    with trio.CancelScope(shield=True):\n        await lifeline.aclose()",
+        "    with trio.CancelScope(shield=False):\n        await lifeline.aclose()",
+        ("tests/test_process_tree.py::test_a_guard_that_stops_its_tree_in_time_is_waited_for",),
+    ),
+    Mutation(
+        "the host's control token handed to Gym (#13)",
+        "trio_gym/runners/gym.py",
+        "    env = {name: value for name, value in environ.items() if name not in WITHHELD_VARIABLES}",
+        "    env = dict(environ)",
+        (
+            "tests/test_gym_runner.py::test_gym_gets_the_hosts_environment_but_never_its_control_token",
+            "tests/test_gym_runner.py::test_the_host_starts_gym_waits_for_it_and_runs_rows_through_it",
+        ),
+    ),
+    Mutation(
+        "the environment package's configs not given to Gym (#13)",
+        "trio_gym/runners/gym.py",
+        "        paths.extend(str(package.root / path) for path in package.config_paths)",
+        "        pass",
+        (
+            "tests/test_gym_runner.py::test_the_global_config_puts_the_package_first_and_a_loopback_head_server",
+            "tests/test_gym_runner.py::test_the_host_starts_gym_waits_for_it_and_runs_rows_through_it",
+        ),
+    ),
+    Mutation(
+        "a Gym that exits after it was up leaves the host ready (#13)",
+        "trio_gym/host/state.py",
+        '        self._fail("gym", ended)',
+        '        log_event("gym_ended", reason=ended)',
+        ("tests/test_gym_runner.py::test_a_gym_that_exits_after_it_is_up_turns_health_failed",),
+    ),
+    Mutation(
+        "a head server saying 503 taken as a deployment that is up (#13)",
+        "trio_gym/runners/agents.py",
+        "    if status not in (200, 404):",
+        "    if status not in (200, 404, 503):",
+        (
+            "tests/test_gym_runner.py::test_a_gym_that_is_never_up_fails_at_the_start_timeout_and_is_stopped",
+            "tests/test_agents.py::test_the_start_waits_for_a_head_server_that_comes_up_later",
+        ),
+    ),
+    Mutation(
+        "a deployment not up yet fails the start at once (#13)",
+        "trio_gym/runners/agents.py",
+        "            except DeploymentNotReady as exc:\n                reason = str(exc)\n",
+        "            except DeploymentNotReady as exc:\n                raise AgentError(str(exc)) from exc\n",
+        (
+            "tests/test_agents.py::test_the_start_waits_for_a_head_server_that_comes_up_later",
+            "tests/test_agents.py::test_a_host_started_before_its_deployment_is_starting_then_ready",
+        ),
+    ),
+    Mutation(
+        "a record Gym marks failed taken as a result (#13)",
+        "trio_gym/runners/agents.py",
+        "            if failure is None:\n                return record",
+        "            if True:\n                return record",
+        (
+            "tests/test_agents.py::test_a_gym_failure_record_is_a_failed_row_not_a_result",
+            "tests/test_agents.py::test_a_failed_rollout_is_tried_again_counting_attempts_then_succeeds",
+        ),
+    ),
+    Mutation(
+        "a failure Gym calls terminal tried again (#13)",
+        "trio_gym/runners/agents.py",
+        "            if terminal or tries == self.settings.rollout_attempts:",
+        "            if tries == self.settings.rollout_attempts:",
+        (
+            "tests/test_agents.py::test_a_rollout_gym_keeps_failing_fails_its_example_naming_the_class",
+        ),
+    ),
+    Mutation(
+        "a failed rollout's next try not counted in _ng_attempt_index (#13)",
+        "trio_gym/runners/agents.py",
+        "            row = {**example, ATTEMPT_KEY: first + tries}",
+        "            row = dict(example)",
+        (
+            "tests/test_agents.py::test_a_failed_rollout_is_tried_again_counting_attempts_then_succeeds",
+        ),
+    ),
+    Mutation(
+        "only agent_server fronts an agent (#13)",
+        "trio_gym/runners/agents.py",
+        "        if typed == AGENT_KEY or (field == AGENT_SERVER_FIELD and typed is None):",
+        "        if field == AGENT_SERVER_FIELD:",
+        (
+            "tests/test_agents.py::test_every_field_typed_as_an_agent_puts_its_environment_server_in_front",
+        ),
+    ),
+    Mutation(
+        "records not stamped with the environment server (#13)",
+        "trio_gym/runners/agents.py",
+        "        stamped[ENVIRONMENT_SERVER_KEY] = server.name",
+        "        pass",
+        (
+            "tests/test_agents.py::test_records_carry_what_gyms_collection_stamps_and_nothing_invented",
+        ),
+    ),
+    Mutation(
+        "a taskset row sent flat, not as an episode request (#13)",
+        "trio_gym/runners/agents.py",
+        "        body = episode_request(row) if episode else row",
+        "        body = row",
+        (
+            "tests/test_agents.py::test_a_taskset_row_is_an_episode_request_to_its_routed_environment_server",
+        ),
+    ),
+    Mutation(
+        "a server's error body quoted with its escapes (#13)",
+        "trio_gym/runners/agents.py",
+        '                f"{where} answered HTTP {response.status}: {gym_error_text(response.body)}"',
+        '                f"{where} answered HTTP {response.status}: {response.body[:500]!r}"',
+        (
+            "tests/test_agents.py::test_an_agents_error_body_is_quoted_once_and_readable",
+            "tests/test_gym_real.py::test_an_agents_500_and_a_failure_record_fail_their_rows_readably",
+        ),
+    ),
+    Mutation(
+        "a launcher's port without an address keeps loopback (#13)",
+        "trio_gym/config.py",
+        '        merged["host"] = LAUNCHED_HOST',
+        '        merged["host"] = "127.0.0.1"',
+        ("tests/test_config.py::test_a_launcher_that_sets_only_the_port_gets_every_interface",),
+    ),
+    Mutation(
+        "gym_host.sh leaves the host on loopback (#13)",
+        "scripts/gym_host.sh",
+        "export NMP_RUNTIME_HTTP_HOST=${NMP_RUNTIME_HTTP_HOST:-0.0.0.0}",
+        "export NMP_RUNTIME_HTTP_HOST=${NMP_RUNTIME_HTTP_HOST:-127.0.0.1}",
+        (
+            "tests/test_launcher.py::test_the_launcher_starts_the_host_with_the_package_on_pythonpath",
+        ),
+    ),
+    Mutation(
+        "an empty variable read as a value (#13)",
+        "trio_gym/config.py",
+        '        if text == "":  # an empty variable is unset, as the upstream host reads it\n            continue',
+        "        if variable not in environ:\n            continue",
+        (
+            "tests/test_config.py::test_an_empty_variable_is_no_variable",
+            "tests/test_config.py::test_booleans_are_read_as_the_upstream_host_reads_them",
+        ),
+    ),
+    Mutation(
+        "a Gym config without a runner keeps the example runner (#13)",
+        "trio_gym/config.py",
+        '        if isinstance(data, dict) and "runner" not in data and "gym_global_config" in data:',
+        "        if False:",
+        ("tests/test_gym_runner.py::test_a_gym_config_without_a_runner_means_runner_gym",),
+    ),
+    Mutation(
+        "episode identity invented with the control plane off (#13)",
+        "trio_gym/host/batch.py",
+        "    return carry_identity(example, result, episode.id if host.tracks_episodes else None)",
+        "    return carry_identity(example, result, episode.id)",
+        (
+            "tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys_and_none_invented",
+            "tests/test_agents.py::test_records_carry_what_gyms_collection_stamps_and_nothing_invented",
+        ),
+    ),
+    Mutation(
+        "rows of one identity refused with the control plane off (#13)",
+        "trio_gym/host/rollouts.py",
+        "        identities=host.tracks_episodes,",
+        "        identities=True,",
+        (
+            "tests/test_host_wire.py::test_rows_of_one_identity_both_run_unless_the_control_plane_tracks_episodes",
+        ),
+    ),
+    Mutation(
+        "two rows of one episode in a batch admitted with the control plane on (#13)",
+        "trio_gym/host/rollouts.py",
+        "        if twin != index:",
+        "        if False:",
+        (
+            "tests/test_host_wire.py::test_rows_of_one_identity_both_run_unless_the_control_plane_tracks_episodes",
+        ),
+    ),
+    Mutation(
+        "a Gym that exits while the runner starts does not end the start (#13)",
+        "trio_gym/host/state.py",
+        "            self._stages.cancel()\n",
+        "",
+        (
+            "tests/test_gym_runner.py::test_a_gym_that_exits_while_the_runner_starts_leaves_the_host_failed",
+        ),
+    ),
+    Mutation(
+        "the guard in its owner's process group (#13)",
+        "trio_gym/processes/tree.py",
+        "        start_new_session=True,\n",
+        "",
+        (
+            "tests/test_process_tree.py::test_a_tree_does_not_outlive_its_owner_however_the_owner_dies",
+        ),
+    ),
+    Mutation(
+        "a stopping tree's output not read while it stops (#13)",
+        "trio_gym/processes/tree.py",
+        '                stopping.start_soon(tree.output.pump, "output", guard.stdout)\n',
+        "",
+        ("tests/test_process_tree.py::test_what_a_stopping_tree_prints_is_read_while_it_stops",),
+    ),
+    Mutation(
+        "a failed rollout's record keeps the first try's attempt (#13)",
+        "trio_gym/runners/agents.py",
+        "            record = stamp_record(row, await self._call(server, row, episode=episode), server)",
+        "            record = stamp_record(example, await self._call(server, row, episode=episode), server)",
+        (
+            "tests/test_agents.py::test_a_failed_rollout_is_tried_again_counting_attempts_then_succeeds",
+        ),
+    ),
+    Mutation(
+        "the runner retries failed rollouts with the control plane on (#13)",
+        "trio_gym/runners/agents.py",
+        "            rollout_attempts=1 if config.control_token else config.agent_rollout_attempts,",
+        "            rollout_attempts=config.agent_rollout_attempts,",
+        (
+            "tests/test_agents.py::test_with_the_control_plane_on_the_runner_makes_no_attempts_of_its_own",
+        ),
+    ),
 ]
 
 

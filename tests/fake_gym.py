@@ -162,9 +162,17 @@ class FakeHeadServer:
     """Serves ``GET /global_config_dict_yaml`` as Gym's head server does (JSON-wrapped YAML),
     and ``GET /health``: 200 when ``ready``, 503 while not, 404 (an older Gym) for ``None``."""
 
-    def __init__(self, deployment: dict[str, Any], *, ready: bool | None = True) -> None:
+    def __init__(
+        self,
+        deployment: dict[str, Any],
+        *,
+        ready: bool | None = True,
+        slow_after_reads: int | None = None,
+    ) -> None:
         self.deployment = deployment
         self.ready = ready
+        self.slow_after_reads = slow_after_reads
+        """Reads of the config beyond this many take an hour (a deployment that stalls)."""
         self.reads = 0
 
     async def serve(
@@ -182,6 +190,8 @@ class FakeHeadServer:
             return
         assert head.target == b"/global_config_dict_yaml"
         self.reads += 1
+        if self.slow_after_reads is not None and self.reads > self.slow_after_reads:
+            await trio.sleep(3600)
         await respond(stream, 200, json.dumps(yaml.safe_dump(self.deployment)).encode())
 
 

@@ -28,6 +28,8 @@ from typing import Any, Final
 import attrs
 import yaml
 
+from tests.processes import kill_all, processes_with
+
 VERSION: Final = "0.7.0"
 REPO: Final = Path(__file__).resolve().parent.parent
 # The servers of the weather deployment, as Gym names their directories (its venv layout).
@@ -224,32 +226,24 @@ def launched_host(
     }
     log = workdir / "host.log"
     with log.open("wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "trio_gym", "serve"], stderr=sink, env=env, cwd=workdir
+        process = subprocess.Popen(  # from this checkout: its trio_gym, not an installed one
+            [sys.executable, "-m", "trio_gym", "serve"], stderr=sink, env=env, cwd=REPO
         )
+    launched = Launched(process, log)
     try:
-        yield Launched(process, log)
+        yield launched
     finally:
         if process.poll() is None:
             process.kill()
         process.wait()
+        starting = launched.event("gym_starting")
+        if starting is not None:  # what a failed test may have left of Gym
+            kill_all(DEPLOYMENT_VARIABLE, starting["deployment"])
 
 
 def tagged_processes(tag: str) -> list[int]:
     """Every live process of one Gym deployment (the tag is inherited by all of them)."""
-    marker = f"{DEPLOYMENT_VARIABLE}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in environ and state != "Z":
-            found.append(int(entry.name))
-    return found
+    return processes_with(DEPLOYMENT_VARIABLE, tag)
 
 
 def environment_of(pid: int) -> dict[str, str]:

@@ -465,7 +465,7 @@ async def test_a_failed_rollout_is_tried_again_counting_attempts_then_succeeds(
         took = trio.current_time() - started
     assert "_ng_failure_class" not in result and result["reward"] == 0.5
     assert [r.get("_ng_attempt_index") for r in servers["a"].requests] == [None, 1, 2]
-    assert "_ng_attempt_index" not in result  # the row carried none: the record says none
+    assert result["_ng_attempt_index"] == 2  # the try that produced it, as Gym stamps it
     assert took == 2 + 4  # backoff 1x, 2x between the tries
 
 
@@ -487,6 +487,17 @@ async def test_a_rollout_gym_keeps_failing_fails_its_example_naming_the_class(
     assert len(servers["a"].requests) == tries
     assert [r["_ng_attempt_index"] for r in servers["a"].requests] == [4, 5, 6][:tries]
     assert ("terminal" if terminal else "after 3 attempt(s)") in str(caught.value)
+
+
+async def test_with_the_control_plane_on_the_runner_makes_no_attempts_of_its_own() -> None:
+    async with agents("a") as servers:
+        urls = {"a": f"http://127.0.0.1:{servers['a'].port}"}
+        async with agents_host(agents=urls, control_token="t") as (host, port):
+            failing = example("a", failure_class="environment_server_failed", fail_times=9)
+            reply = await tcp_exchange(port, request_bytes({"examples": [failing]}, headers=ROWS))
+    (failed,) = [json.loads(line) for line in reply.body.split(b"\n") if b'"index"' in line]
+    assert "(after 1 attempt(s))" in failed["error"]["message"]
+    assert len(servers["a"].requests) == 1  # the trainer's ledger numbers the attempts
 
 
 async def test_a_gym_failure_record_is_a_failed_row_not_a_result() -> None:

@@ -27,12 +27,16 @@ def test_defaults_are_the_contracts_defaults() -> None:
 def test_flags_beat_environment_beats_file_beats_defaults(tmp_path: Path) -> None:
     file = tmp_path / "serve.yaml"
     file.write_text("port: 9000\nheartbeat_interval_s: 5\njob_id: from-file\nrunner: example\n")
-    environ = {"NMP_RUNTIME_HTTP_PORT": "9100", "NMP_JOB_ID": "from-env"}
+    environ = {
+        "NMP_RUNTIME_HTTP_PORT": "9100",
+        "NMP_RUNTIME_HTTP_HOST": "10.0.0.1",
+        "NMP_JOB_ID": "from-env",
+    }
     config = load_serve_config(file=file, environ=environ, flags={"port": 9200, "host": None})
     assert config.port == 9200  # flag
     assert config.job_id == "from-env"  # environment over file
     assert config.heartbeat_interval_s == 5  # file over default
-    assert config.host == "0.0.0.0"  # a flag given as None is "not given"; a launcher's port
+    assert config.host == "10.0.0.1"  # a flag given as None is "not given"
 
 
 def test_every_upstream_nmp_variable_is_honoured() -> None:

@@ -7,12 +7,13 @@ The real nemo-gym is in ``tests/test_gym_real.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ import trio
 
 from tests.helpers import request_bytes, running_host, tcp_exchange
 from tests.packages import native_package
+from tests.processes import processes_with
 from tests.test_cli import LogReader
 from trio_gym.config import ServeConfig, load_serve_config
 from trio_gym.host import Host
@@ -47,7 +49,9 @@ def fake_gym_python(tmp_path: Path) -> str:
     """An interpreter whose ``nemo_gym`` is the stand-in."""
     script = tmp_path / "gym-python"
     path = f'"{FAKE_GYM}:{REPO}${{PYTHONPATH:+:$PYTHONPATH}}"'
-    script.write_text(f'#!/bin/sh\nPYTHONPATH={path} exec "{sys.executable}" "$@"\n')
+    script.write_text(
+        f'#!/bin/sh\nTRIO_GYM_FAKE_GYM=1 PYTHONPATH={path} exec "{sys.executable}" "$@"\n'
+    )
     script.chmod(0o755)
     return str(script)
 
@@ -59,19 +63,16 @@ def started_with(work: Path) -> dict[str, Any]:
 
 def gym_processes(tag: str) -> list[int]:
     """Every live process of the deployment tagged ``tag`` (the tag is inherited)."""
-    marker = f"{DEPLOYMENT_VARIABLE}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = (entry / "environ").read_bytes().split(b"\0")
-            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if marker in environ and state != "Z":
-            found.append(int(entry.name))
-    return found
+    return processes_with(DEPLOYMENT_VARIABLE, tag)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_gym() -> Iterator[None]:
+    """Kill what a failed test left of a stand-in Gym (the rule it checks was broken)."""
+    yield
+    for pid in processes_with("TRIO_GYM_FAKE_GYM", "1"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 async def until_no_gym_process(tag: str) -> None:
@@ -286,6 +287,21 @@ async def test_a_gym_that_exits_after_it_is_up_turns_health_failed(
     assert refused.status == 503 and refused.json()["error"]["code"] == "bootstrap_failed"
 
 
+async def test_a_gym_that_exits_while_the_runner_starts_leaves_the_host_failed(
+    tmp_path: Path, fake_gym_python: str
+) -> None:
+    # Up at once; the runner's own read of the deployment then stalls, and Gym exits meanwhile.
+    fake = {"slow_after_reads": 1, "exit_at_s": 1.5, "exit_code": 4}
+    config = gym_config(tmp_path, fake_gym_python, fake)
+    async with gym_host(config) as (host, port):
+        with trio.fail_after(HANG_GUARD_S):
+            await host.settled.wait()
+        reply = await health(port)
+    document = reply.json()
+    assert document["status"] == "failed" and document["stage"] == "gym"
+    assert "the Gym deployment exited with status 4" in document["error"]["message"]
+
+
 async def test_stopping_the_host_stops_every_gym_process(
     tmp_path: Path, fake_gym_python: str
 ) -> None:
@@ -293,7 +309,7 @@ async def test_stopping_the_host_stops_every_gym_process(
     async with gym_host(config) as (host, port):
         tag = started_with(tmp_path / "work")["env"][DEPLOYMENT_VARIABLE]
         assert len(gym_processes(tag)) >= 4  # the launcher and its helpers
-    await until_no_gym_process(tag)
+    assert gym_processes(tag) == []  # the host's stop waited for every one to be gone
 
 
 # --- a host launched as a sandbox process -----------------------------------------------------
@@ -338,4 +354,7 @@ async def test_no_gym_process_outlives_a_host_stopped_or_killed(
         process.send_signal(signum)
         with trio.fail_after(HANG_GUARD_S):
             await process.wait()
-    await until_no_gym_process(tag)
+    if signum == signal.SIGTERM:
+        assert gym_processes(tag) == []  # the host exits only once Gym is gone
+    else:
+        await until_no_gym_process(tag)  # the guard, told by the lifeline, does it alone

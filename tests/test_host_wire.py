@@ -416,22 +416,25 @@ async def test_rows_of_one_identity_both_run_unless_the_control_plane_tracks_epi
         {"_ng_task_index": 4, "_ng_rollout_index": 0, "sleep_s": 0.2, "result": {"n": n}}
         for n in (1, 2)
     ]
-    runner = CountingRunner(ScriptedRunner())
     chunks: list[Any] = []
 
     async def one_chunk(port: int, twin: dict[str, Any]) -> None:
         chunks.append(await tcp_exchange(port, request_bytes({"examples": [twin]})))
 
-    async with running_host(runner=runner) as (host, port):
+    async with running_host(runner=CountingRunner(ScriptedRunner())) as (host, port):
         both = await tcp_exchange(port, request_bytes({"examples": twins}))
-        async with trio.open_nursery() as nursery:  # two chunks of one identity at once
-            for twin in twins:
-                nursery.start_soon(one_chunk, port, twin)
-    async with running_host(runner=runner, control_token="t") as (host, port):
+    apart = CountingRunner(ScriptedRunner())
+    async with running_host(runner=apart) as (host, port), trio.open_nursery() as nursery:
+        for twin in twins:  # two chunks of one identity at once
+            nursery.start_soon(one_chunk, port, twin)
+    async with running_host(runner=CountingRunner(ScriptedRunner()), control_token="t") as (
+        host,
+        port,
+    ):
         refused = await tcp_exchange(port, request_bytes({"examples": twins}))
     assert [r["n"] for r in both.json()["results"]] == [1, 2]
     assert sorted(chunk.json()["results"][0]["n"] for chunk in chunks) == [1, 2]
-    assert runner.peak == 2  # the two chunks ran at once
+    assert apart.peak == 2  # the two chunks, one example each, ran at once
     assert refused.status == 400
     message = refused.json()["error"]["message"]
     assert "examples[0] and examples[1] are one episode (4-0)" in message

@@ -126,6 +126,10 @@ class Host:
         self._phase_changed = trio.Event()
         self.settled = trio.Event()
         """Set once start-up ended, ready or failed."""
+        self._stages = trio.CancelScope()
+        """Around the start-up stages: a Gym that ends meanwhile ends them."""
+        self._gym = trio.CancelScope()
+        """Around the Gym deployment's task: a start-up that fails after Gym started stops it."""
         self.episodes = Episodes(
             runner_reports_boundaries=lambda: bool(
                 getattr(self._runner, "reports_boundaries", False)
@@ -144,6 +148,11 @@ class Host:
 
     @phase.setter
     def phase(self, phase: Phase) -> None:
+        """Failed is final: once start-up has failed (or the runner was lost), nothing that was
+        still under way — a stage that had not noticed, a second failure — replaces the first
+        cause, which is the one an orchestrator needs to read."""
+        if isinstance(self._phase, Failed):
+            return
         self._phase = phase
         self._phase_changed.set()
         self._phase_changed = trio.Event()
@@ -200,7 +209,7 @@ class Host:
         """
         try:
             if self._runner is None:
-                with start_progress_to(self._note_progress):
+                with start_progress_to(self._note_progress), self._stages:
                     await self._run_stages(services)
         finally:
             self.settled.set()
@@ -227,9 +236,10 @@ class Host:
                 await start()
             self._runner = runner
         except Exception as exc:  # the boundary: a user's package or module may fail any way
-            assert isinstance(self.phase, Starting)
             known = isinstance(exc, InstallError | GymStartFailed)
-            self._fail(self.phase.stage, str(exc) if known else f"{type(exc).__name__}: {exc}")
+            stage = self.phase.stage if isinstance(self.phase, Starting) else "starting"
+            self._fail(stage, str(exc) if known else f"{type(exc).__name__}: {exc}")
+            self._gym.cancel()  # a host that cannot serve keeps no Gym running for nothing
             return
         self.phase = Ready()
         log_event("ready", runner=self.config.runner)
@@ -237,14 +247,18 @@ class Host:
     async def _keep_gym(
         self, deployment: GymDeployment, *, task_status: trio.TaskStatus[GymReady]
     ) -> None:
-        """Own the Gym deployment for as long as the host serves; one that exits by itself
-        leaves the host ``failed`` at once (its rows cannot run anywhere)."""
-        ended = await deployment.run(task_status=task_status)
-        self._fail("gym", ended)
+        """Own the Gym deployment for as long as the host serves; one that exits by itself —
+        once up, or while the runner still starts — leaves the host ``failed`` at once (its
+        rows cannot run anywhere) and ends the start-up stages."""
+        with self._gym:
+            ended = await deployment.run(task_status=task_status)
+            self._fail("gym", ended)
+            self._stages.cancel()
 
     def _fail(self, stage: str, message: str) -> None:
+        if not isinstance(self.phase, Failed):
+            log_event("stage_failed", stage=stage, error=message)
         self.phase = Failed(stage, message)
-        log_event("stage_failed", stage=stage, error=message)
 
     def _enter(self, stage: str) -> None:
         self.phase = Starting(stage)

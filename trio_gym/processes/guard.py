@@ -1,15 +1,18 @@
 """The guard: a small program that stands between its parent and a process tree, and takes the
 tree down when the parent is done with it — or gone.
 
-    python -m trio_gym.processes.guard --grace SECONDS -- ARGV...
+    python -P .../trio_gym/processes/guard.py --grace SECONDS -- ARGV...
+
+(run by its file: it imports nothing of trio_gym, only trio and the standard library).
 
 The guard starts ``ARGV`` (the tree's *leader*) in a session of its own and then waits for one of:
 
 - its standard input, the *lifeline*, reaching end-of-file. The parent holds the only writing
   end and never writes; the kernel closes it when the parent closes it **or dies, however it
   dies** (a SIGKILL included) — which is how a tree outlives no host;
-- SIGTERM, SIGINT or SIGHUP to the guard itself (a terminal's Ctrl-C reaches the guard, which
-  shares its parent's process group, never the tree, which does not);
+- SIGTERM, SIGINT or SIGHUP sent to the guard itself (it runs in a session of its own, so
+  nothing meant for its parent's process group — a terminal's Ctrl-C, a ``kill`` of the group —
+  reaches it: the parent decides, through the lifeline);
 - the leader exiting by itself. The guard then exits with the leader's status.
 
 Either way it then stops whatever is left of the tree (:func:`stop_tree`) and exits.
@@ -35,11 +38,14 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import Final, Protocol
 
 import trio
+
+# Where pidfds are refused, how often a stopping process is looked at again.
+POLL_S: Final = 0.05
 
 _PR_SET_PDEATHSIG: Final = 1
 _PR_SET_CHILD_SUBREAPER: Final = 36
@@ -73,16 +79,23 @@ async def stop_tree(tree: TreeView, grace_s: float) -> None:
 
 
 class ProcTree:
-    """The tree as ``/proc`` shows it: the descendants of ``root`` (the guard, not itself) and
-    every process in process group ``group`` (the leader's). Zombies are reaped, not counted."""
+    """The tree as ``/proc`` shows it: the descendants of ``root`` (not ``root`` itself) and
+    every process in process group ``group`` (the leader's, when given). Zombies are not counted;
+    with ``reap``, those that are ``root``'s own children (the guard's adopted orphans) are
+    collected — only a process that *is* ``root`` may reap, or it would steal its children's
+    exit statuses from whoever waits for them."""
 
-    def __init__(self, root: int, group: int, proc: Path = Path("/proc")) -> None:
+    def __init__(
+        self, root: int, group: int | None = None, *, reap: bool = False, proc: Path = Path("/proc")
+    ) -> None:
         self.root = root
         self.group = group
+        self.reap = reap
         self.proc = proc
 
     def members(self) -> set[int]:
-        _reap_children()
+        if self.reap:
+            _reap_children()
         children: dict[int, list[int]] = {}
         found: set[int] = set()
         for pid, parent, group in self._processes():
@@ -99,22 +112,36 @@ class ProcTree:
         return (found | descendants) - {self.root}
 
     def signal(self, pids: Iterable[int], signum: int) -> None:
+        # Signalled as listed, with no await between: a pid cannot be reused in between.
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
     async def wait_gone(self, pids: Iterable[int]) -> None:
         """Until each of ``pids`` has exited. A pidfd works for any process, not only for
-        children, so this waits on the kernel rather than looking again and again."""
+        children, so this waits on the kernel; only where pidfds are refused (an old kernel, a
+        seccomp filter) does it look again every :data:`POLL_S`."""
         for pid in pids:
             try:
                 pidfd = os.pidfd_open(pid)
             except ProcessLookupError:
                 continue
+            except OSError:
+                # No pidfds here: nothing to wait on but looking.
+                while (self.proc / str(pid)).exists() and not self._zombie(pid):  # noqa: ASYNC110
+                    await trio.sleep(POLL_S)
+                continue
             try:
                 await trio.lowlevel.wait_readable(pidfd)
             finally:
                 os.close(pidfd)
+
+    def _zombie(self, pid: int) -> bool:
+        try:
+            stat = (self.proc / str(pid) / "stat").read_text()
+        except OSError:
+            return True
+        return stat[stat.rindex(")") + 2 :].startswith("Z")
 
     def _processes(self) -> list[tuple[int, int, int]]:
         """(pid, parent, process group) of every live process that is not a zombie."""
@@ -133,15 +160,17 @@ class ProcTree:
         return found
 
 
-def _reap_children() -> None:
-    """Collect the exit status of every child that has ended (the guard adopts orphans)."""
+def _reap_children(*, sparing: int | None = None) -> None:
+    """Collect the exit status of this process's ended children (the guard adopts orphans),
+    all but ``sparing`` (the leader, whose status is the guard's own to report)."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
             return
-        if pid == 0:
-            return
+        if found is None or found.si_pid == sparing:
+            return  # nothing ended; or the leader is first in line: left for its own wait
+        os.waitpid(found.si_pid, 0)
 
 
 def _prctl(option: int, value: int) -> None:
@@ -151,10 +180,13 @@ def _prctl(option: int, value: int) -> None:
         raise OSError(error, f"prctl({option}): {os.strerror(error)}")
 
 
-def _prepare_leader() -> None:  # runs in the leader, between fork and exec
-    for signum in _STOP_SIGNALS:  # the guard's own handlers would otherwise carry over
-        signal.signal(signum, signal.SIG_DFL)
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def _tied_to(guard: int) -> Callable[[], None]:
+    def tie() -> None:  # runs in the leader, between fork and exec
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != guard:  # the guard died before the tie was made
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return tie
 
 
 async def _until_lifeline_ends(scope: trio.CancelScope) -> None:
@@ -171,8 +203,18 @@ async def _until_signalled(signals: AsyncIterator[int], scope: trio.CancelScope)
         return
 
 
+async def _reap_while_running(leader: int) -> None:
+    """Collect adopted orphans as they end, so a long run does not pile up zombies."""
+    with trio.open_signal_receiver(signal.SIGCHLD) as children_ended:
+        async for _ in children_ended:
+            _reap_children(sparing=leader)
+
+
 async def _leader_exit(leader: subprocess.Popen[bytes]) -> int:
-    pidfd = os.pidfd_open(leader.pid)
+    try:
+        pidfd = os.pidfd_open(leader.pid)
+    except OSError:  # no pidfds here: a thread waits instead (abandoned if the tree is stopped)
+        return await trio.to_thread.run_sync(leader.wait, abandon_on_cancel=True)
     try:
         await trio.lowlevel.wait_readable(pidfd)
     finally:
@@ -185,18 +227,22 @@ async def supervise(
 ) -> int:
     """Wait for the lifeline, a signal or the leader; stop the tree; return the exit status.
 
-    ``early_signals`` arrived before trio could receive them: the tree is stopped at once."""
+    ``early_signals`` arrived before trio could receive them: the tree is stopped at once. The
+    tree is stopped whatever happens here, an error included."""
     status = 0
-    with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
-        async with trio.open_nursery() as nursery:
-            if early_signals:
+    try:
+        with trio.open_signal_receiver(*_STOP_SIGNALS) as signals:
+            async with trio.open_nursery() as nursery:
+                if early_signals:
+                    nursery.cancel_scope.cancel()
+                nursery.start_soon(_until_lifeline_ends, nursery.cancel_scope)
+                nursery.start_soon(_until_signalled, signals, nursery.cancel_scope)
+                nursery.start_soon(_reap_while_running, leader.pid)
+                code = await _leader_exit(leader)
+                status = code if code >= 0 else 128 - code
                 nursery.cancel_scope.cancel()
-            nursery.start_soon(_until_lifeline_ends, nursery.cancel_scope)
-            nursery.start_soon(_until_signalled, signals, nursery.cancel_scope)
-            code = await _leader_exit(leader)
-            status = code if code >= 0 else 128 - code
-            nursery.cancel_scope.cancel()
-    await stop_tree(ProcTree(os.getpid(), group=leader.pid), grace_s)
+    finally:
+        await stop_tree(ProcTree(os.getpid(), group=leader.pid, reap=True), grace_s)
     return status
 
 
@@ -206,12 +252,12 @@ def start_leader(argv: Sequence[str]) -> subprocess.Popen[bytes]:
         list(argv),
         stdin=subprocess.DEVNULL,
         start_new_session=True,
-        preexec_fn=_prepare_leader,
+        preexec_fn=_tied_to(os.getpid()),
     )
 
 
 def main(argv: Collection[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m trio_gym.processes.guard")
+    parser = argparse.ArgumentParser(prog="guard.py")
     parser.add_argument("--grace", type=float, required=True, help="SIGTERM to SIGKILL, seconds")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- ARGV...")
     args = parser.parse_args(None if argv is None else list(argv))
@@ -220,6 +266,7 @@ def main(argv: Collection[str] | None = None) -> int:
         parser.error("no command to guard: give it after --")
     # Signals are received by trio once it runs; one that comes earlier is remembered, so the
     # tree is stopped as soon as it can be instead of the guard dying before it could stop it.
+    # (Caught signals return to their default in the leader when it execs.)
     early: list[int] = []
     for signum in _STOP_SIGNALS:
         signal.signal(signum, lambda received, frame: early.append(received))

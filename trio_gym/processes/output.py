@@ -19,17 +19,21 @@ class OutputTail:
     def __init__(self, process: str, lines: int = TAIL_LINES) -> None:
         self.process = process
         self._lines: deque[str] = deque(maxlen=lines)
+        self._pending: dict[str, bytes] = {}
 
     async def pump(self, stream_name: str, stream: trio.abc.ReceiveStream) -> None:
-        """Read ``stream`` to its end, a line at a time (a last line without a newline too)."""
-        pending = b""
+        """Read ``stream`` to its end, a line at a time (a last line without a newline too).
+
+        Cancelled, it loses nothing: a line begun is kept, and a later ``pump`` of the same
+        stream name carries on from it."""
         while data := await stream.receive_some(65536):
-            pending += data
-            *lines, pending = pending.split(b"\n")
+            *lines, self._pending[stream_name] = (self._pending.get(stream_name, b"") + data).split(
+                b"\n"
+            )
             for line in lines:
                 self._note(stream_name, line)
-        if pending:
-            self._note(stream_name, pending)
+        if rest := self._pending.pop(stream_name, b""):
+            self._note(stream_name, rest)
 
     def _note(self, stream_name: str, line: bytes) -> None:
         text = line.decode("utf-8", "replace").rstrip()

@@ -13,9 +13,11 @@ If the owner dies instead, the kernel closes the lifeline and the guard does the
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Final, Protocol
 
 import attrs
@@ -23,8 +25,10 @@ import trio
 
 from trio_gym.logs import log_event
 
+from .guard import ProcTree
 from .output import OutputTail
 
+GUARD: Final = Path(__file__).with_name("guard.py")
 # Beyond the grace, how long the guard gets to finish SIGKILLing and exit.
 GUARD_MARGIN_S: Final = 5.0
 # Once the tree has ended, how long its last output may take to be read. Only a process that
@@ -42,21 +46,27 @@ class GuardProcess(Protocol):
     @property
     def returncode(self) -> int | None: ...
 
+    @property
+    def pid(self) -> int: ...
+
     async def wait(self) -> int: ...
 
     def kill(self) -> None: ...
 
 
 async def stop_guard(guard: GuardProcess, lifeline: Lifeline, grace_s: float, name: str) -> None:
-    """Close the lifeline and wait for the guard to stop the tree; kill the guard itself if it
-    has not exited within ``grace_s`` + :data:`GUARD_MARGIN_S`. Shielded: it runs to the end
-    even in a cancelled scope, and that end is bounded."""
+    """Close the lifeline and wait for the guard to stop the tree. A guard that has not exited
+    within ``grace_s`` + :data:`GUARD_MARGIN_S` is stopped by force: every process of its tree
+    (its descendants, orphans included: it is their subreaper) is SIGKILLed, then the guard.
+    Shielded: it runs to the end even in a cancelled scope, and that end is bounded."""
     with trio.CancelScope(shield=True):
         await lifeline.aclose()
         with trio.move_on_after(grace_s + GUARD_MARGIN_S):
             await guard.wait()
             return
         log_event("process_tree_guard_killed", process=name, waited_s=grace_s + GUARD_MARGIN_S)
+        tree = ProcTree(guard.pid)  # only the guard may reap: this process just looks
+        tree.signal(tree.members(), signal.SIGKILL)
         guard.kill()
         await guard.wait()
 
@@ -69,11 +79,6 @@ class ProcessTree:
     guard: trio.Process
     output: OutputTail
     _ended: trio.Event = attrs.field(factory=trio.Event)
-
-    @property
-    def pid(self) -> int:
-        """The guard's pid (the tree's leader is its child)."""
-        return self.guard.pid
 
     @property
     def ended(self) -> bool:
@@ -100,15 +105,9 @@ async def run_process_tree(
     status once it has ended by itself. Cancelled, it stops the tree first (see the module
     docstring). Raises ``OSError`` if the guard cannot be started.
     """
-    guard_argv = [
-        sys.executable,
-        "-m",
-        "trio_gym.processes.guard",
-        "--grace",
-        repr(stop_grace_s),
-        "--",
-        *argv,
-    ]
+    # The guard is run by its file, in isolated mode: this very code and this interpreter's own
+    # packages, whatever the working directory and PYTHONPATH (an environment's wheels) say.
+    guard_argv = [sys.executable, "-I", str(GUARD), "--grace", repr(stop_grace_s), "--", *argv]
     guard = await trio.lowlevel.open_process(
         guard_argv,
         stdin=subprocess.PIPE,
@@ -116,29 +115,28 @@ async def run_process_tree(
         stderr=subprocess.STDOUT,
         env=dict(env),
         cwd=cwd,
+        # A session of its own: signals meant for this process's group (a terminal's Ctrl-C, a
+        # kill of the group) do not reach it; this process's end does, through the lifeline.
+        start_new_session=True,
     )
     assert guard.stdin is not None and guard.stdout is not None
     log_event("process_tree_started", process=name, guard_pid=guard.pid, argv=list(argv))
     tree = ProcessTree(name, guard, OutputTail(name))
-    output_read = trio.Event()
-
-    async def read_output(stream: trio.abc.ReceiveStream) -> None:
-        await tree.output.pump("output", stream)
-        output_read.set()
-
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(read_output, guard.stdout)
+        async with trio.open_nursery() as running:
+            running.start_soon(tree.output.pump, "output", guard.stdout)
             task_status.started(tree)
-            try:
-                await guard.wait()
-            finally:
-                await stop_guard(guard, guard.stdin, stop_grace_s, name)
-                with trio.move_on_after(OUTPUT_DRAIN_S, shield=True):
-                    await output_read.wait()
-                nursery.cancel_scope.cancel()
+            await guard.wait()
+            running.cancel_scope.cancel()
     finally:
+        # The tree is stopped (bounded), and its output read meanwhile — a process writing as
+        # it stops would otherwise block on a full pipe until SIGKILLed — and for at most
+        # OUTPUT_DRAIN_S after: only a process that escaped the tree could hold the pipe longer.
         with trio.CancelScope(shield=True):
+            async with trio.open_nursery() as stopping:
+                stopping.start_soon(tree.output.pump, "output", guard.stdout)
+                await stop_guard(guard, guard.stdin, stop_grace_s, name)
+                stopping.cancel_scope.deadline = trio.current_time() + OUTPUT_DRAIN_S
             await guard.stdout.aclose()
         tree._ended.set()
         log_event("process_tree_stopped", process=name, status=guard.returncode)

@@ -17,8 +17,9 @@ Records are stamped as Gym's collection stamps them: ``agent_ref``, ``task_sourc
 ``_ng_environment_server`` and ``_ng_result_type`` (its implementation) for the environment
 server that ran it. A record carrying ``_ng_failure_class`` is Gym saying that the rollout
 failed — not a result: it is run again, up to ``rollout_attempts`` tries with
-``_ng_attempt_index`` counting them (Gym's collection retries so), unless Gym marked it
-``_ng_failure_terminal``; then the example fails, naming the class.
+``_ng_attempt_index`` counting them on the row and its record (Gym's collection retries and
+stamps so), unless Gym marked it ``_ng_failure_terminal``; then the example fails, naming the
+class. With the checkpoint control plane on, attempts are the trainer's: none is made here.
 
 Addresses come from ``--agent NAME=URL`` or from a Gym head server's
 ``GET /global_config_dict_yaml`` (a JSON string holding the YAML of the whole deployment, each
@@ -137,7 +138,9 @@ class AgentSettings:
             max_connections=config.agent_max_connections,
             connect_attempts=config.agent_connect_attempts,
             retry_backoff_s=config.agent_retry_backoff_s,
-            rollout_attempts=config.agent_rollout_attempts,
+            # With the control plane on, an episode's attempts are the trainer's to number (its
+            # ledger; the host admits them): the runner makes none of its own.
+            rollout_attempts=1 if config.control_token else config.agent_rollout_attempts,
             start_timeout_s=config.gym_start_timeout_s,
             max_response_bytes=config.max_response_bytes,
             idle_timeout_s=config.rollout_deadline_s,
@@ -230,7 +233,9 @@ class Deployment:
 
 
 def _server_of(name: str, instance: Any) -> tuple[Server, Mapping[str, Any]] | None:
-    """The server an instance of a Gym config describes (and its config), if it has an address."""
+    """The server an instance of a Gym config describes (and its config), if it has an address.
+
+    Raises :class:`AgentError` for an address that is not one."""
     if not isinstance(instance, Mapping):
         return None
     for kind, implementations in instance.items():
@@ -238,7 +243,13 @@ def _server_of(name: str, instance: Any) -> tuple[Server, Mapping[str, Any]] | N
             continue
         for implementation, body in implementations.items():
             if isinstance(body, Mapping) and "host" in body and "port" in body:
-                endpoint = Endpoint(str(body["host"]), int(body["port"]), "")
+                port = body["port"]
+                if isinstance(port, bool) or not isinstance(port, int | str):
+                    raise AgentError(f"server {name!r} has no port but {port!r}")
+                try:
+                    endpoint = Endpoint(str(body["host"]), int(port), "")
+                except ValueError as exc:
+                    raise AgentError(f"server {name!r} has no port but {port!r}") from exc
                 return Server(name, endpoint, str(kind), str(implementation)), body
     return None
 
@@ -651,7 +662,7 @@ class AgentsRunner:
         row = dict(example)
         tries = 0
         while True:
-            record = stamp_record(example, await self._call(server, row, episode=episode), server)
+            record = stamp_record(row, await self._call(server, row, episode=episode), server)
             failure = record.get(FAILURE_CLASS_KEY) if isinstance(record, dict) else None
             if failure is None:
                 return record
@@ -673,8 +684,8 @@ class AgentsRunner:
                     f"{failure} ({how}): {record.get(FAILURE_MESSAGE_KEY) or 'no message'}"
                 )
             await trio.sleep(self.settings.retry_backoff_s * tries)
-            # The next try counts in _ng_attempt_index, as Gym's collection stamps it, so the
-            # tries' model calls stay apart in Gym's captures.
+            # The next try counts in _ng_attempt_index, on the row and so on its record, as
+            # Gym's collection stamps it: the tries' model calls stay apart in Gym's captures.
             row = {**example, ATTEMPT_KEY: first + tries}
 
     async def _call(self, server: Server, row: Mapping[str, Any], *, episode: bool) -> Any:

@@ -31,6 +31,7 @@ import contextlib
 import copy
 import importlib.util
 import os
+import secrets
 import shutil
 import socket
 import sys
@@ -62,6 +63,8 @@ SELECTION_KEY: Final = "_nmp_environment_component_selection"
 DEPLOYMENT_VARIABLE: Final = "TRIO_GYM_GYM_DEPLOYMENT"
 # Never handed to Gym: the environment's code has no business with the host's control plane.
 WITHHELD_VARIABLES: Final = ("NMP_CONTROL_TOKEN",)
+# How long removing a scratch working directory may hold up a stop.
+REMOVE_SCRATCH_S: Final = 30.0
 # How long asking an interpreter whether it has nemo_gym may take.
 PYTHON_CHECK_TIMEOUT_S: Final = 60.0
 LOOPBACK: Final = "127.0.0.1"
@@ -106,10 +109,6 @@ async def check_gym_python(python: str) -> None:
             f"the Gym Python {python!r} cannot import nemo_gym; install nemo-gym there or name "
             "another with --gym-python (NMP_GYM_PYTHON)"
         )
-
-
-def _package_components(package: EnvironmentPackage) -> tuple[set[str], set[str]]:
-    return set(package.agents), set(package.resources_servers)
 
 
 def gym_global_config(
@@ -174,9 +173,8 @@ def _selected_paths(selection: Any, package: EnvironmentPackage | None) -> list[
             raise GymStartFailed(f"gym_global_config: {SELECTION_KEY}.{field} must be a name")
     if not isinstance(selection.get("model_config"), str) or not selection["model_config"]:
         raise GymStartFailed(f"gym_global_config: {SELECTION_KEY}.model_config must be a path")
-    agents, resources = _package_components(package)
     paths = []
-    if selection["agent_instance"] not in agents:
+    if selection["agent_instance"] not in package.agents:
         agent_config = selection.get("agent_config")
         if not isinstance(agent_config, str) or not agent_config:
             raise GymStartFailed(
@@ -185,7 +183,7 @@ def _selected_paths(selection: Any, package: EnvironmentPackage | None) -> list[
             )
         paths.append(agent_config)
     paths.append(selection["model_config"])  # model configuration is the operator's, always
-    if selection["resources_server_instance"] not in resources:
+    if selection["resources_server_instance"] not in package.resources_servers:
         paths.append(selection["resources_server_config"])
     return paths
 
@@ -321,7 +319,7 @@ class GymDeployment:
         )
         config_file = write_global_config(work, config)
         head = head_endpoint(config)
-        tag = f"{os.getpid()}-{free_loopback_port()}"
+        tag = secrets.token_hex(8)
         argv = launch_argv(python, config_file)
         env = gym_environment(self.environ, self.config, self.package, python=python, tag=tag)
         log_event("gym_starting", head_server=head.authority, work=str(work), deployment=tag)

@@ -7,7 +7,8 @@ block says:
 - ``exit_at_s`` / ``exit_code``: exit by itself that long after starting;
 - ``ready_at_s``: the head server's ``/health`` is 503 until then (``never`` for always);
 - ``children``: start that many helper processes, half of them in process groups of their own
-  (as Ray's workers are) and one that ignores SIGTERM, so stopping the tree is really tested.
+  (as Ray's workers are) and one that ignores SIGTERM, so stopping the tree is really tested;
+- ``slow_after_reads``: reads of the head server's config beyond this many stall.
 
 Its head server (on the config's ``head_server`` port) lists one agent, ``fake_agent``, served
 by a fake agent server in this process (``tests/fake_gym.py``).
@@ -65,7 +66,11 @@ async def _serve(config: dict[str, Any], fake: dict[str, Any]) -> int:
     ready_at = fake.get("ready_at_s", 0)
     async with trio.open_nursery() as nursery:
         agent_port = await nursery.start(agent.serve)
-        head = FakeHeadServer({"fake_agent": agent_instance(agent_port)}, ready=False)
+        head = FakeHeadServer(
+            {"fake_agent": agent_instance(agent_port)},
+            ready=False,
+            slow_after_reads=fake.get("slow_after_reads"),
+        )
         await nursery.start(partial(head.serve, port=config["head_server"]["port"]))
         print(f"fake gym: head server on {config['head_server']['port']}", flush=True)
         if ready_at != "never":
