@@ -15,7 +15,8 @@
 set -euo pipefail
 
 version=0.7.0
-cache=${TRIO_GYM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/trio-gym}
+home=${HOME:-$(cd ~ && pwd)}  # a CI environment may not set HOME
+cache=${TRIO_GYM_CACHE:-${XDG_CACHE_HOME:-$home/.cache}/trio-gym}
 venv=$cache/nemo-gym-$version
 marker=$venv/.trio-gym-complete
 
