@@ -25,14 +25,14 @@ if [[ -f "$marker" ]]; then
   exit 0
 fi
 
-# The first candidate that runs and is a 3.13: the one named, pyenv's newest, then PATH's (a
-# pyenv shim on PATH may name a version that is not active, so each is tried, not trusted).
+# The first candidate that runs and is a 3.13: the one named, pyenv's newest (found by its
+# directory: the pyenv command need not be on PATH), then PATH's (a pyenv shim on PATH may name
+# a version that is not active, so each is tried, not trusted).
 candidates=()
 [[ -n "${TRIO_GYM_GYM_BASE_PYTHON:-}" ]] && candidates+=("$TRIO_GYM_GYM_BASE_PYTHON")
-if command -v pyenv >/dev/null 2>&1; then
-  while IFS= read -r found; do candidates+=("$found"); done < <(
-    ls -d "$(pyenv root)"/versions/3.13*/bin/python3.13 2>/dev/null | sort -rV)
-fi
+pyenv_root=${PYENV_ROOT:-$home/.pyenv}
+while IFS= read -r found; do candidates+=("$found"); done < <(
+  ls -d "$pyenv_root"/versions/3.13*/bin/python3.13 2>/dev/null | sort -rV)
 candidates+=(python3.13)
 base=
 for candidate in "${candidates[@]}"; do
