@@ -47,15 +47,11 @@ async def respond(stream: trio.abc.Stream, status: int, body: bytes) -> None:
     await stream.send_all(head + body)
 
 
-class FakeAgentServer:
-    def __init__(self, name: str) -> None:
-        self.name = name
+class LoopbackServer:
+    """A test server on a free loopback port, whose changes of state a test can wait for."""
+
+    def __init__(self) -> None:
         self.port = 0
-        self.requests: list[dict[str, Any]] = []
-        self.running = 0
-        self.peak = 0
-        self.disconnects = 0
-        self.failures_sent: dict[str, int] = {}
         self._changed = trio.Event()
 
     def _note(self) -> None:
@@ -71,6 +67,20 @@ class FakeAgentServer:
         self.port = listeners[0].socket.getsockname()[1]
         task_status.started(self.port)
         await trio.serve_listeners(self.handle, listeners)
+
+    async def handle(self, stream: trio.abc.Stream) -> None:
+        raise NotImplementedError
+
+
+class FakeAgentServer(LoopbackServer):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.requests: list[dict[str, Any]] = []
+        self.running = 0
+        self.peak = 0
+        self.disconnects = 0
+        self.failures_sent: dict[str, int] = {}
 
     async def handle(self, stream: trio.abc.Stream) -> None:
         try:

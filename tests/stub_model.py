@@ -27,7 +27,7 @@ from typing import Any
 
 import trio
 
-from tests.fake_gym import read_request, respond
+from tests.fake_gym import LoopbackServer, read_request, respond
 
 _ids = itertools.count()
 
@@ -87,35 +87,20 @@ def _has_tool_output(request: dict[str, Any]) -> bool:
     )
 
 
-class StubModel:
+class StubModel(LoopbackServer):
     """Serves the model on loopback; counts calls, calls in flight and callers that hung up."""
 
     def __init__(self) -> None:
-        self.port = 0
+        super().__init__()
         self.calls = 0
         self.running = 0
         self.disconnects = 0
-        self._changed = trio.Event()
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/v1"
 
-    def _note(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
-
-    async def wait_for(self, predicate: Any) -> None:
-        while not predicate(self):
-            await self._changed.wait()
-
-    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        self.port = listeners[0].socket.getsockname()[1]
-        task_status.started(self.port)
-        await trio.serve_listeners(self._handle, listeners)
-
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def handle(self, stream: trio.abc.Stream) -> None:
         try:
             head, body = await read_request(stream)
         except (EOFError, trio.BrokenResourceError):
@@ -147,7 +132,7 @@ class StubModel:
             self.running -= 1
             self._note()
 
-    async def _hang_until_the_caller_leaves(self, stream: trio.SocketStream) -> None:
+    async def _hang_until_the_caller_leaves(self, stream: trio.abc.Stream) -> None:
         try:
             while await stream.receive_some(65536):
                 pass

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -24,7 +23,7 @@ import trio
 from tests.helpers import request_bytes, running_host, tcp_exchange
 from tests.packages import native_package
 from tests.processes import processes_with
-from tests.test_cli import LogReader
+from tests.test_cli import LogReader, serve_process
 from trio_gym.config import ServeConfig, load_serve_config
 from trio_gym.host import Host
 from trio_gym.host.state import Failed
@@ -321,28 +320,14 @@ async def serve_gym(
 ) -> AsyncIterator[tuple[trio.Process, LogReader, str]]:
     """``trio-gym serve`` as the upstream orchestrator launches it: no runner named."""
     env = {
-        **os.environ,
         "NMP_GYM_GLOBAL_CONFIG": json.dumps({"fake_gym": fake}),
         "NMP_GYM_PYTHON": gym_python,
         "NMP_WORK_PATH": str(tmp_path / "work"),
         "NMP_GYM_STOP_GRACE_S": "1",
     }
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_gym", "serve", "--port", "0"],
-        stderr=subprocess.PIPE,
-        env=env,
-    )
-    try:
-        assert process.stderr is not None
-        logs = LogReader(process.stderr)
-        with trio.fail_after(HANG_GUARD_S):
-            tag = (await logs.wait_for("gym_starting"))["deployment"]
-            await logs.wait_for("ready")
-        yield process, logs, tag
-    finally:
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
+    async with serve_process(env=env) as (process, logs, port):
+        starting = next(event for event in logs.events if event["event"] == "gym_starting")
+        yield process, logs, starting["deployment"]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
