@@ -364,8 +364,8 @@ MUTATIONS = [
     Mutation(
         "shutdown waits for a hung runner import",
         "trio_gym/host/state.py",
-        "load_runner, self.config, abandon_on_cancel=True",
-        "load_runner, self.config, abandon_on_cancel=False",
+        "                abandon_on_cancel=True,",
+        "                abandon_on_cancel=False,",
         ("tests/test_cli.py::test_a_signal_during_a_hung_runner_import_still_exits",),
     ),
     Mutation(
@@ -406,8 +406,8 @@ MUTATIONS = [
     Mutation(
         "an agent request that reached the agent is sent again",
         "trio_gym/runners/agents.py",
-        '                post_once, ConnectFailed, "agent_connect_retry",',
-        '                post_once, NoResponse, "agent_connect_retry",',
+        "            except ConnectFailed as exc:\n                log_event(",
+        "            except NoResponse as exc:\n                log_event(",
         ("tests/test_agents.py::test_a_dropped_connection_is_not_resent_and_requests_match_sends",),
     ),
     Mutation(
@@ -419,8 +419,8 @@ MUTATIONS = [
     ),
     Mutation(
         "an environment server in front of an agent is bypassed",
-        "trio_gym/runners/agents.py",
-        "            agents[agent] = servers[0]",
+        "trio_gym/runners/deployment.py",
+        "            return self.servers[fronting[0]]",
         "            pass",
         (
             "tests/test_agents.py::test_the_head_server_names_the_agents_and_environment_servers_front_them",
@@ -1249,7 +1249,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a head server saying 503 taken as a deployment that is up (#13)",
-        "trio_gym/runners/agents.py",
+        "trio_gym/runners/deployment.py",
         "    if status not in (200, 404):",
         "    if status not in (200, 404, 503):",
         (
@@ -1259,7 +1259,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a deployment not up yet fails the start at once (#13)",
-        "trio_gym/runners/agents.py",
+        "trio_gym/runners/deployment.py",
         "            except DeploymentNotReady as exc:\n                reason = str(exc)\n",
         "            except DeploymentNotReady as exc:\n                raise AgentError(str(exc)) from exc\n",
         (
@@ -1297,7 +1297,7 @@ MUTATIONS = [
     ),
     Mutation(
         "only agent_server fronts an agent (#13)",
-        "trio_gym/runners/agents.py",
+        "trio_gym/runners/deployment.py",
         "        if typed == AGENT_KEY or (field == AGENT_SERVER_FIELD and typed is None):",
         "        if field == AGENT_SERVER_FIELD:",
         (
@@ -1306,7 +1306,7 @@ MUTATIONS = [
     ),
     Mutation(
         "records not stamped with the environment server (#13)",
-        "trio_gym/runners/agents.py",
+        "trio_gym/runners/records.py",
         "        stamped[ENVIRONMENT_SERVER_KEY] = server.name",
         "        pass",
         (

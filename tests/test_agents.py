@@ -19,8 +19,8 @@ from tests.helpers import request_bytes, running_host, tcp_exchange
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
 from trio_gym.runners import AgentError, AgentSettings, AgentsRunner, ExampleContext
-from trio_gym.runners.agents import Deployment
 from trio_gym.runners.base import start_progress_to
+from trio_gym.runners.deployment import Deployment
 
 HANG_GUARD_S = 30
 ROWS = [("Accept", "application/x-ndjson")]

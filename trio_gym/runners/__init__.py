@@ -1,7 +1,8 @@
 """Runners: what turns one example into one result (DESIGN §6)."""
 
-from trio_gym.runners.agents import AgentError, AgentSettings, AgentsRunner
+from trio_gym.runners.agents import AgentSettings, AgentsRunner
 from trio_gym.runners.base import ExampleContext, Runner
+from trio_gym.runners.deployment import AgentError
 from trio_gym.runners.example import ExampleRunner
 from trio_gym.runners.loading import RunnerLoadError, load_runner
 

@@ -1,5 +1,8 @@
 """The ``agents`` runner: NeMo Gym's server protocol, spoken natively in trio.
 
+(What a deployment is and when it is up: :mod:`.deployment`; Gym's record protocol:
+:mod:`.records`.)
+
 Each row is POSTed to a Gym server's ``/run`` and the JSON answer is its record. The row goes
 where Gym 0.7.0's own rollout collection sends it:
 
@@ -38,15 +41,12 @@ deployment that is not up yet — and again when a row names a server not yet kn
 
 from __future__ import annotations
 
-import ast
 import json
-import re
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import trio
-import yaml
 
 from trio_gym.config import ServeConfig
 from trio_gym.errors import readable_body
@@ -63,58 +63,34 @@ from trio_gym.http import (
     open_tcp,
 )
 from trio_gym.logs import log_event
-from trio_gym.runners.base import ExampleContext, report_start_progress
+from trio_gym.runners.base import ExampleContext
+
+from .deployment import (
+    AGENT_KEY,
+    ENVIRONMENT_KEY,
+    TASKSET_ROUTES_KEY,
+    AgentError,
+    Deployment,
+    Server,
+    read_deployment,
+    wait_for_deployment,
+)
+from .records import (
+    AGENT_REF_KEY,
+    ATTEMPT_KEY,
+    ENVIRONMENT_SERVER_KEY,
+    FAILURE_CLASS_KEY,
+    FAILURE_MESSAGE_KEY,
+    FAILURE_TERMINAL_KEY,
+    RolloutFailed,
+    episode_record,
+    episode_request,
+    gym_error_text,
+    stamp_record,
+    taskset_of,
+)
 
 T = TypeVar("T")
-
-AGENT_KEY: Final = "responses_api_agents"
-ENVIRONMENT_KEY: Final = "environment_servers"
-AGENT_SERVER_FIELD: Final = "agent_server"
-TASKSET_ROUTES_KEY: Final = "environment_server_routes"
-
-# Gym's record protocol (nemo-gym 0.7.0's rollout collection).
-AGENT_REF_KEY: Final = "agent_ref"
-ENVIRONMENT_SERVER_KEY: Final = "_ng_environment_server"
-RESULT_TYPE_KEY: Final = "_ng_result_type"
-FAILURE_CLASS_KEY: Final = "_ng_failure_class"
-FAILURE_TERMINAL_KEY: Final = "_ng_failure_terminal"
-FAILURE_MESSAGE_KEY: Final = "_ng_failure_message"
-TASK_ID_KEY: Final = "_ng_task_id"
-ROLLOUT_ID_KEY: Final = "_ng_rollout_id"
-ATTEMPT_KEY: Final = "_ng_attempt_index"
-TASK_INDEX_KEY: Final = "_ng_task_index"
-ROLLOUT_INDEX_KEY: Final = "_ng_rollout_index"
-# Copied from the row onto its record, as Gym's collection copies them.
-ROW_KEYS_ON_RECORDS: Final = (
-    AGENT_REF_KEY,
-    "task_source",
-    "skills_ref",
-    ATTEMPT_KEY,
-    ROLLOUT_ID_KEY,
-)
-ENVIRONMENT_SERVER_FAILED: Final = "environment_server_failed"
-
-# Each Gym hop that fails wraps its callee's error body as a bytes literal after this phrase.
-_INNER_ERROR: Final = re.compile(r"(?s)(.*?calling an inner server: )(b'.*'|b\".*\")")
-# Past this, an error body is quoted as it is, not taken apart.
-_UNWRAP_LIMIT: Final = 64 * 1024
-
-# The longest single wait between looks at a deployment that is not up yet.
-MAX_START_BACKOFF_S: Final = 5.0
-# How long one readiness probe of a server may take.
-PROBE_TIMEOUT_S: Final = 5.0
-
-
-class AgentError(Exception):
-    """An example could not be run by its server; the message names the server and why."""
-
-
-class DeploymentNotReady(AgentError):
-    """A Gym deployment is not up (yet): worth looking again until the start's timeout."""
-
-
-class RolloutFailed(AgentError):
-    """Gym answered that the rollout failed (``_ng_failure_class``): no result for this row."""
 
 
 @attrs.frozen
@@ -145,248 +121,6 @@ class AgentSettings:
             max_response_bytes=config.max_response_bytes,
             idle_timeout_s=config.rollout_deadline_s,
         )
-
-
-@attrs.frozen
-class Server:
-    """One Gym server a row can be sent to."""
-
-    name: str
-    """Its instance name in the deployment (or the name given with ``--agent``)."""
-    endpoint: Endpoint
-    kind: str
-    """``responses_api_agents`` or ``environment_servers`` (the only kinds rows go to)."""
-    implementation: str = ""
-    """An environment server's implementation (``legacy_agent``, ...): its ``_ng_result_type``."""
-
-    @property
-    def label(self) -> str:
-        """How messages name it: ``agent 'x'`` or ``environment server 'x'``."""
-        kind = "environment server" if self.kind == ENVIRONMENT_KEY else "agent"
-        return f"{kind} {self.name!r}"
-
-
-@attrs.frozen
-class Deployment:
-    """What a head server's config says: every server, who fronts which agent, taskset routes."""
-
-    servers: Mapping[str, Server]
-    """Agents and environment servers by instance name."""
-    endpoints: Mapping[str, Endpoint]
-    """Every server instance with an address, of any kind (what readiness probes)."""
-    fronts: Mapping[str, tuple[str, ...]]
-    """Agent name -> the environment servers in front of it."""
-    taskset_routes: Mapping[str, str]
-
-    @classmethod
-    def parse(cls, config: Mapping[str, Any]) -> Deployment:
-        """Read a merged Gym config, ``name: {server_type: {implementation: {host, port}}}``."""
-        servers: dict[str, Server] = {}
-        endpoints: dict[str, Endpoint] = {}
-        fronts: dict[str, list[str]] = {}
-        for name, instance in config.items():
-            found = _server_of(str(name), instance)
-            if found is None:
-                continue
-            server, body = found
-            endpoints[server.name] = server.endpoint
-            if server.kind not in (AGENT_KEY, ENVIRONMENT_KEY):
-                continue
-            servers[server.name] = server
-            if server.kind == ENVIRONMENT_KEY:
-                for agent in fronted_agents(body):
-                    fronts.setdefault(agent, []).append(server.name)
-        routes = config.get(TASKSET_ROUTES_KEY)
-        taskset_routes = (
-            {str(taskset): str(server) for taskset, server in routes.items()}
-            if isinstance(routes, Mapping)
-            else {}
-        )
-        return cls(
-            servers,
-            endpoints,
-            {agent: tuple(names) for agent, names in fronts.items()},
-            taskset_routes,
-        )
-
-    def agents(self) -> list[str]:
-        """Every agent a row can name."""
-        named = {name for name, server in self.servers.items() if server.kind == AGENT_KEY}
-        return sorted(named | set(self.fronts))
-
-    def server_for_agent(self, agent: str) -> Server | None:
-        """Where a row naming ``agent`` goes; ``None`` if the deployment has no such agent.
-
-        Raises :class:`AgentError` when several environment servers front it (Gym refuses such
-        rows too: they must name one in ``_ng_environment_server``).
-        """
-        fronting = self.fronts.get(agent, ())
-        if len(fronting) > 1:
-            raise AgentError(
-                f"agent {agent!r} is fronted by several environment servers {sorted(fronting)}; "
-                f'name one in the row\'s "{ENVIRONMENT_SERVER_KEY}"'
-            )
-        if fronting:
-            return self.servers[fronting[0]]
-        server = self.servers.get(agent)
-        return server if server is not None and server.kind == AGENT_KEY else None
-
-
-def _server_of(name: str, instance: Any) -> tuple[Server, Mapping[str, Any]] | None:
-    """The server an instance of a Gym config describes (and its config), if it has an address.
-
-    Raises :class:`AgentError` for an address that is not one."""
-    if not isinstance(instance, Mapping):
-        return None
-    for kind, implementations in instance.items():
-        if not isinstance(implementations, Mapping):
-            continue
-        for implementation, body in implementations.items():
-            if isinstance(body, Mapping) and "host" in body and "port" in body:
-                port = body["port"]
-                if isinstance(port, bool) or not isinstance(port, int | str):
-                    raise AgentError(f"server {name!r} has no port but {port!r}")
-                try:
-                    endpoint = Endpoint(str(body["host"]), int(port), "")
-                except ValueError as exc:
-                    raise AgentError(f"server {name!r} has no port but {port!r}") from exc
-                return Server(name, endpoint, str(kind), str(implementation)), body
-    return None
-
-
-def fronted_agents(server: Mapping[str, Any]) -> list[str]:
-    """The agents an environment server's config puts it in front of (Gym 0.7.0's rule): every
-    field whose value is typed ``responses_api_agents``, and ``agent_server`` untyped."""
-    names = []
-    for field, reference in server.items():
-        if not isinstance(reference, Mapping):
-            continue
-        typed = reference.get("type")
-        if typed == AGENT_KEY or (field == AGENT_SERVER_FIELD and typed is None):
-            name = reference.get("name")
-            if isinstance(name, str):
-                names.append(name)
-    return names
-
-
-async def read_deployment(
-    head: Endpoint, *, limits: HttpLimits, opener: StreamOpener = open_tcp
-) -> Mapping[str, Any]:
-    """A Gym head server's merged config (``GET /global_config_dict_yaml``: JSON-wrapped YAML).
-
-    Bounded by ``limits.read_timeout_s`` as a whole. Raises :class:`DeploymentNotReady` when the
-    head server does not answer (yet), :class:`AgentError` for an answer that cannot be used.
-    """
-    where = f"the head server at {head.authority}"
-    with trio.move_on_after(limits.read_timeout_s) as timer:
-        try:
-            response = await exchange(
-                head,
-                "GET",
-                "/global_config_dict_yaml",
-                limits=limits,
-                max_response_bytes=64 * 1024 * 1024,
-                idle_timeout_s=limits.read_timeout_s,
-                opener=opener,
-            )
-        except (NoResponse, BodyFailed) as exc:
-            raise DeploymentNotReady(f"cannot read {where}: {exc}") from exc
-    if timer.cancelled_caught:
-        raise DeploymentNotReady(f"{where} did not answer within {limits.read_timeout_s:g} s")
-    if response.status in (502, 503, 504):
-        raise DeploymentNotReady(f"{where} answered HTTP {response.status}")
-    if response.status != 200:
-        raise AgentError(f"{where} answered HTTP {response.status}: {readable_body(response.body)}")
-    try:
-        text = json.loads(response.body)
-        deployment = yaml.safe_load(text) if isinstance(text, str) else text
-    except (ValueError, RecursionError, yaml.YAMLError) as exc:
-        raise AgentError(f"{where} sent a config that is not JSON-wrapped YAML: {exc}") from exc
-    if not isinstance(deployment, Mapping):
-        raise AgentError(f"{where} sent a config that is not a mapping of servers")
-    return deployment
-
-
-async def _answers(endpoint: Endpoint, path: str, limits: HttpLimits, opener: StreamOpener) -> int:
-    """The status ``GET path`` is answered with; raises :class:`DeploymentNotReady` if none."""
-    with trio.move_on_after(PROBE_TIMEOUT_S):
-        try:
-            response = await exchange(
-                endpoint,
-                "GET",
-                path,
-                limits=limits,
-                max_response_bytes=1024 * 1024,
-                idle_timeout_s=PROBE_TIMEOUT_S,
-                opener=opener,
-            )
-        except (NoResponse, BodyFailed) as exc:
-            raise DeploymentNotReady(str(exc)) from exc
-        return response.status
-    raise DeploymentNotReady(f"{endpoint.authority} did not answer within {PROBE_TIMEOUT_S:g} s")
-
-
-async def check_deployment(
-    head: Endpoint, *, limits: HttpLimits, opener: StreamOpener, probe_servers: bool
-) -> Deployment:
-    """The deployment behind ``head``, if it is up: the head server's ``/health`` is 200 (a
-    Gym without that route answers 404, which counts as up) and, with ``probe_servers``, every
-    server it lists answers HTTP at all. Raises :class:`DeploymentNotReady` saying what is
-    missing, :class:`AgentError` for a deployment that cannot be used."""
-    where = f"the head server at {head.authority}"
-    try:
-        status = await _answers(head, "/health", limits, opener)
-    except DeploymentNotReady as exc:
-        raise DeploymentNotReady(f"{where} does not answer yet: {exc}") from exc
-    if status not in (200, 404):
-        raise DeploymentNotReady(f"{where} says the deployment is not ready (HTTP {status})")
-    deployment = Deployment.parse(await read_deployment(head, limits=limits, opener=opener))
-    if probe_servers:
-        silent = []
-        for name, endpoint in deployment.endpoints.items():
-            try:
-                await _answers(endpoint, "/", limits, opener)
-            except DeploymentNotReady:
-                silent.append(name)
-        if silent:
-            answering = len(deployment.endpoints) - len(silent)
-            raise DeploymentNotReady(
-                f"{answering} of {len(deployment.endpoints)} Gym servers answer; waiting for "
-                f"{', '.join(sorted(silent))}"
-            )
-    return deployment
-
-
-async def wait_for_deployment(
-    head: Endpoint,
-    *,
-    limits: HttpLimits,
-    opener: StreamOpener,
-    timeout_s: float,
-    backoff_s: float,
-    probe_servers: bool,
-) -> Deployment:
-    """:func:`check_deployment` until it is up, looking again after a growing backoff (at most
-    :data:`MAX_START_BACKOFF_S`), each reason reported to ``/health`` meanwhile. Raises
-    :class:`AgentError` once ``timeout_s`` has passed, with the last reason."""
-    reason = "it was never looked at"
-    with trio.move_on_after(timeout_s):
-        attempt = 0
-        while True:
-            try:
-                return await check_deployment(
-                    head, limits=limits, opener=opener, probe_servers=probe_servers
-                )
-            except DeploymentNotReady as exc:
-                reason = str(exc)
-            attempt += 1
-            report_start_progress(reason)
-            log_event("deployment_not_ready", head_server=head.authority, reason=reason)
-            await trio.sleep(min(backoff_s * attempt, MAX_START_BACKOFF_S))
-    raise AgentError(
-        f"the Gym deployment at {head.authority} was not up within {timeout_s:g} s "
-        f"(gym_start_timeout_s): {reason}"
-    )
 
 
 class AgentDirectory:
@@ -488,27 +222,6 @@ class AgentDirectory:
         return await self.environment_server(route)
 
 
-def gym_error_text(body: bytes, limit: int = 1000) -> str:
-    """A Gym server's error body, readable: a JSON string read once, and each inner server's
-    body that Gym wrapped as a bytes literal (``calling an inner server: b'...'``) read in turn,
-    so a model's error three hops down reads as itself instead of under layers of escapes."""
-    text = readable_body(body[:_UNWRAP_LIMIT], limit=_UNWRAP_LIMIT)
-    for _ in range(10):  # hops, at most
-        wrapped = _INNER_ERROR.fullmatch(text)
-        if wrapped is None:
-            break
-        try:
-            inner = ast.literal_eval(wrapped.group(2))
-        except (ValueError, SyntaxError, MemoryError, RecursionError):
-            break
-        if not isinstance(inner, bytes):
-            break
-        text = wrapped.group(1) + readable_body(inner, limit=_UNWRAP_LIMIT)
-    if len(text) > limit or len(body) > _UNWRAP_LIMIT:
-        return f"{text[:limit]} ... ({len(body)} bytes)"
-    return text
-
-
 def agent_name(example: Mapping[str, Any]) -> str:
     """The agent an example names in ``agent_ref``; ``ValueError`` (the runner protocol's
     refusal) if it names none."""
@@ -520,75 +233,6 @@ def agent_name(example: Mapping[str, Any]) -> str:
             'row\'s "task_id" and "task_input", or "_ng_environment_server")'
         )
     return name
-
-
-def taskset_of(example: Mapping[str, Any]) -> str | None:
-    """The taskset of a materialized task row (``task_id.taskset`` plus ``task_input``)."""
-    task_id = example.get("task_id")
-    if not isinstance(task_id, Mapping) or "task_input" not in example:
-        return None
-    taskset = task_id.get("taskset")
-    return taskset if isinstance(taskset, str) and taskset else ""
-
-
-def episode_request(row: Mapping[str, Any]) -> dict[str, Any]:
-    """The body a taskset row is sent as: ``{episode_id: {rollout_id, attempt}, task}``.
-
-    Raises ``ValueError`` for a row without an identity to name its episode by.
-    """
-    rollout_id = row.get(ROLLOUT_ID_KEY)
-    if rollout_id is None:
-        task, rollout = row.get(TASK_INDEX_KEY), row.get(ROLLOUT_INDEX_KEY)
-        if task is None or rollout is None:
-            raise ValueError(
-                f"a taskset row needs {ROLLOUT_ID_KEY}, or {TASK_INDEX_KEY} and "
-                f"{ROLLOUT_INDEX_KEY}, to name its episode"
-            )
-        rollout_id = f"{task}-{rollout}"
-    attempt = row.get(ATTEMPT_KEY, 0)
-    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
-        raise ValueError(f"{ATTEMPT_KEY} must be a non-negative integer, not {attempt!r}")
-    return {
-        "episode_id": {"rollout_id": rollout_id, "attempt": attempt},
-        "task": {"task_id": row["task_id"], "task_input": row["task_input"]},
-    }
-
-
-def episode_record(response: Any) -> Any:
-    """An environment server's episode answer as the record Gym's collection keeps: a
-    ``failure`` becomes a failure record, a ``result`` is kept with ``_ng_task_id``. Anything
-    else is returned as it came."""
-    if not (
-        isinstance(response, Mapping)
-        and isinstance(response.get("episode_id"), Mapping)
-        and ("result" in response or "failure" in response)
-    ):
-        return response
-    task_id = response.get("task_id")
-    failure = response.get("failure")
-    if isinstance(failure, Mapping):
-        return {
-            TASK_ID_KEY: task_id,
-            FAILURE_CLASS_KEY: ENVIRONMENT_SERVER_FAILED,
-            FAILURE_TERMINAL_KEY: bool(failure.get("terminal", False)),
-            FAILURE_MESSAGE_KEY: failure.get("failure_reason"),
-        }
-    result = response.get("result")
-    if not isinstance(result, Mapping):
-        raise AgentError(f"the episode answer for task {task_id!r} has no object result")
-    return {**result, TASK_ID_KEY: task_id}
-
-
-def stamp_record(row: Mapping[str, Any], record: Any, server: Server) -> Any:
-    """The record with what Gym's collection copies onto every record (see the module
-    docstring); a record that is not an object is left as it is."""
-    if not isinstance(record, dict):
-        return record
-    stamped = {**record, **{key: row[key] for key in ROW_KEYS_ON_RECORDS if key in row}}
-    if server.kind == ENVIRONMENT_KEY:
-        stamped[ENVIRONMENT_SERVER_KEY] = server.name
-        stamped[RESULT_TYPE_KEY] = server.implementation
-    return stamped
 
 
 class AgentsRunner:

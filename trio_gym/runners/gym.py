@@ -51,7 +51,7 @@ from trio_gym.install import EnvironmentPackage, InstallError, find_uv
 from trio_gym.logs import log_event
 from trio_gym.processes import ProcessTree, run_process_tree
 
-from .agents import AgentError, wait_for_deployment
+from .deployment import AgentError, wait_for_deployment
 
 # Gym's own command line entry (the `gym` console script), run by an interpreter given by path:
 # `python -m nemo_gym.cli.main` runs nothing (the module has no __main__ block).

@@ -1,0 +1,144 @@
+"""Gym's record protocol, as nemo-gym 0.7.0's own rollout collection speaks it.
+
+- A materialized taskset row (``task_id.taskset`` plus ``task_input``) is sent as an episode
+  request ``{episode_id: {rollout_id, attempt}, task: {task_id, task_input}}``; the answer
+  ``{episode_id, task_id, result | failure}`` becomes the record.
+- Records are stamped with ``agent_ref``, ``task_source``, ``skills_ref``, ``_ng_rollout_id`` and
+  ``_ng_attempt_index`` from the row that ran (when it has them), and ``_ng_environment_server``
+  and ``_ng_result_type`` (its implementation) for the environment server that ran it.
+- A record carrying ``_ng_failure_class`` is Gym saying the rollout failed: not a result.
+- Gym's servers answer a failure with a JSON string, each hop wrapping its callee's body as a
+  bytes literal; :func:`gym_error_text` reads that chain once.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Mapping
+from typing import Any, Final
+
+from trio_gym.errors import readable_body
+
+from .deployment import ENVIRONMENT_KEY, AgentError, Server
+
+# Gym's record protocol (nemo-gym 0.7.0's rollout collection).
+AGENT_REF_KEY: Final = "agent_ref"
+ENVIRONMENT_SERVER_KEY: Final = "_ng_environment_server"
+RESULT_TYPE_KEY: Final = "_ng_result_type"
+FAILURE_CLASS_KEY: Final = "_ng_failure_class"
+FAILURE_TERMINAL_KEY: Final = "_ng_failure_terminal"
+FAILURE_MESSAGE_KEY: Final = "_ng_failure_message"
+TASK_ID_KEY: Final = "_ng_task_id"
+ROLLOUT_ID_KEY: Final = "_ng_rollout_id"
+ATTEMPT_KEY: Final = "_ng_attempt_index"
+TASK_INDEX_KEY: Final = "_ng_task_index"
+ROLLOUT_INDEX_KEY: Final = "_ng_rollout_index"
+# Copied from the row onto its record, as Gym's collection copies them.
+ROW_KEYS_ON_RECORDS: Final = (
+    AGENT_REF_KEY,
+    "task_source",
+    "skills_ref",
+    ATTEMPT_KEY,
+    ROLLOUT_ID_KEY,
+)
+ENVIRONMENT_SERVER_FAILED: Final = "environment_server_failed"
+
+# Each Gym hop that fails wraps its callee's error body as a bytes literal after this phrase.
+_INNER_ERROR: Final = re.compile(r"(?s)(.*?calling an inner server: )(b'.*'|b\".*\")")
+# Past this, an error body is quoted as it is, not taken apart.
+_UNWRAP_LIMIT: Final = 64 * 1024
+
+
+class RolloutFailed(AgentError):
+    """Gym answered that the rollout failed (``_ng_failure_class``): no result for this row."""
+
+
+def gym_error_text(body: bytes, limit: int = 1000) -> str:
+    """A Gym server's error body, readable: a JSON string read once, and each inner server's
+    body that Gym wrapped as a bytes literal (``calling an inner server: b'...'``) read in turn,
+    so a model's error three hops down reads as itself instead of under layers of escapes."""
+    text = readable_body(body[:_UNWRAP_LIMIT], limit=_UNWRAP_LIMIT)
+    for _ in range(10):  # hops, at most
+        wrapped = _INNER_ERROR.fullmatch(text)
+        if wrapped is None:
+            break
+        try:
+            inner = ast.literal_eval(wrapped.group(2))
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            break
+        if not isinstance(inner, bytes):
+            break
+        text = wrapped.group(1) + readable_body(inner, limit=_UNWRAP_LIMIT)
+    if len(text) > limit or len(body) > _UNWRAP_LIMIT:
+        return f"{text[:limit]} ... ({len(body)} bytes)"
+    return text
+
+
+def taskset_of(example: Mapping[str, Any]) -> str | None:
+    """The taskset of a materialized task row (``task_id.taskset`` plus ``task_input``)."""
+    task_id = example.get("task_id")
+    if not isinstance(task_id, Mapping) or "task_input" not in example:
+        return None
+    taskset = task_id.get("taskset")
+    return taskset if isinstance(taskset, str) and taskset else ""
+
+
+def episode_request(row: Mapping[str, Any]) -> dict[str, Any]:
+    """The body a taskset row is sent as: ``{episode_id: {rollout_id, attempt}, task}``.
+
+    Raises ``ValueError`` for a row without an identity to name its episode by.
+    """
+    rollout_id = row.get(ROLLOUT_ID_KEY)
+    if rollout_id is None:
+        task, rollout = row.get(TASK_INDEX_KEY), row.get(ROLLOUT_INDEX_KEY)
+        if task is None or rollout is None:
+            raise ValueError(
+                f"a taskset row needs {ROLLOUT_ID_KEY}, or {TASK_INDEX_KEY} and "
+                f"{ROLLOUT_INDEX_KEY}, to name its episode"
+            )
+        rollout_id = f"{task}-{rollout}"
+    attempt = row.get(ATTEMPT_KEY, 0)
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
+        raise ValueError(f"{ATTEMPT_KEY} must be a non-negative integer, not {attempt!r}")
+    return {
+        "episode_id": {"rollout_id": rollout_id, "attempt": attempt},
+        "task": {"task_id": row["task_id"], "task_input": row["task_input"]},
+    }
+
+
+def episode_record(response: Any) -> Any:
+    """An environment server's episode answer as the record Gym's collection keeps: a
+    ``failure`` becomes a failure record, a ``result`` is kept with ``_ng_task_id``. Anything
+    else is returned as it came."""
+    if not (
+        isinstance(response, Mapping)
+        and isinstance(response.get("episode_id"), Mapping)
+        and ("result" in response or "failure" in response)
+    ):
+        return response
+    task_id = response.get("task_id")
+    failure = response.get("failure")
+    if isinstance(failure, Mapping):
+        return {
+            TASK_ID_KEY: task_id,
+            FAILURE_CLASS_KEY: ENVIRONMENT_SERVER_FAILED,
+            FAILURE_TERMINAL_KEY: bool(failure.get("terminal", False)),
+            FAILURE_MESSAGE_KEY: failure.get("failure_reason"),
+        }
+    result = response.get("result")
+    if not isinstance(result, Mapping):
+        raise AgentError(f"the episode answer for task {task_id!r} has no object result")
+    return {**result, TASK_ID_KEY: task_id}
+
+
+def stamp_record(row: Mapping[str, Any], record: Any, server: Server) -> Any:
+    """The record with what Gym's collection copies onto every record (see the module
+    docstring); a record that is not an object is left as it is."""
+    if not isinstance(record, dict):
+        return record
+    stamped = {**record, **{key: row[key] for key in ROW_KEYS_ON_RECORDS if key in row}}
+    if server.kind == ENVIRONMENT_KEY:
+        stamped[ENVIRONMENT_SERVER_KEY] = server.name
+        stamped[RESULT_TYPE_KEY] = server.implementation
+    return stamped
