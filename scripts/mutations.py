@@ -14,10 +14,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
+# Longer than any guarded test takes, real NeMo Gym's included; a run past it is a hang.
+TEST_TIMEOUT_S = 900
 
 
 class Mutation(NamedTuple):
@@ -130,14 +133,18 @@ MUTATIONS = [
         "trio_gym/host/batch.py",
         "        self._parts[index] = encoded",
         '        self._parts[self._parts.index(b"")] = encoded',
-        ("tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys",),
+        (
+            "tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys_and_none_invented",
+        ),
     ),
     Mutation(
         "identity keys overwrite the runner's values",
         "trio_gym/host/batch.py",
         "missing = {key: value for key, value in identity.items() if result.get(key) is None}",
         "missing = dict(identity)",
-        ("tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys",),
+        (
+            "tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys_and_none_invented",
+        ),
     ),
     Mutation(
         "head size checked only by h11 (a head in one read slips through)",
@@ -1436,7 +1443,90 @@ MUTATIONS = [
             "tests/test_agents.py::test_with_the_control_plane_on_the_runner_makes_no_attempts_of_its_own",
         ),
     ),
+    Mutation(
+        "a secret echoed in a config error (#14)",
+        "trio_gym/config.py",
+        '            shown = REDACTED if key in secrets else without_userinfo(repr(error["input"]))',
+        '            shown = repr(error["input"])',
+        (
+            "tests/test_config.py::test_a_secret_in_a_bad_config_file_is_never_echoed",
+            "tests/test_config.py::test_a_secret_in_a_bad_variable_is_never_echoed",
+        ),
+    ),
+    Mutation(
+        "a URL's user information echoed (#14)",
+        "trio_gym/errors.py",
+        '    return _USERINFO.sub(rf"\\1{REDACTED}@", text)',
+        "    return text",
+        ("tests/test_config.py::test_a_urls_user_information_is_never_echoed",),
+    ),
+    Mutation(
+        "a YAML error in PyYAML's words, over several lines (#14)",
+        "trio_gym/config.py",
+        '        return f"{where}: not valid YAML: {what}{during}"',
+        '        return f": not valid YAML: {exc}"',
+        ("tests/test_config.py::test_a_yaml_error_is_one_line_naming_file_line_and_column",),
+    ),
+    Mutation(
+        "a HEAD that h11 refused answered with a body (#14)",
+        "trio_gym/http/connection.py",
+        '        method = self.request_method or self._first_bytes.partition(b" ")[0]',
+        "        method = self.request_method",
+        ("tests/test_host_wire.py::test_no_answer_to_head_carries_a_body_whatever_refused_it",),
+    ),
+    Mutation(
+        "a checkpoint records its export directories absolute (#14)",
+        "trio_gym/trainer/coordinator.py",
+        "            directory=export_directory.relative_to(directory).as_posix(),",
+        "            directory=str(export_directory),",
+        (
+            "tests/test_coordinator.py::test_a_checkpoint_moved_elsewhere_restores_from_where_it_is_now",
+        ),
+    ),
+    Mutation(
+        "a manifest path that is absolute or leaves the checkpoint accepted (#14)",
+        "trio_gym/trainer/manifest.py",
+        '    if not path or PurePosixPath(path).is_absolute() or ".." in parts or "\\\\" in path:',
+        "    if not path:",
+        (
+            "tests/test_trainer_manifest.py::test_a_path_that_is_absolute_or_leaves_the_checkpoint_is_refused",
+            "tests/test_coordinator.py::test_a_manifest_pointing_outside_its_checkpoint_is_refused_before_any_host_changes",
+        ),
+    ),
+    Mutation(
+        "the mutation runner counts any non-zero exit as caught (#14)",
+        "scripts/mutations.py",
+        "    if returncode != 1:\n        return Verdict(False,",
+        "    if returncode == 0:\n        return Verdict(False,",
+        (
+            "tests/test_mutation_runner.py::test_a_mutation_is_caught_only_by_its_named_tests_failing",
+        ),
+    ),
 ]
+
+
+class Verdict(NamedTuple):
+    caught: bool
+    why: str
+
+
+def verdict(returncode: int | None, output: str, tests: Sequence[str]) -> Verdict:
+    """Whether pytest's run of ``tests`` caught the mutation.
+
+    Only a run that *failed* (exit 1) with at least one named test among its failures is a
+    catch. A renamed test id (exit 4), a collection or syntax error (exit 2), an interruption
+    or a hang (``returncode`` None) say the check is stale or broken, not that it guards the
+    rule; a failure of some other test says nothing about this one.
+    """
+    if returncode is None:
+        return Verdict(False, "hung: pytest did not finish in time")
+    if returncode != 1:
+        return Verdict(False, f"pytest exited {returncode}, not 1: a stale or broken check")
+    failed = {line.split()[1] for line in output.splitlines() if line.startswith("FAILED ")}
+    named = [t for t in tests if any(f == t or f.startswith(f"{t}[") for f in failed)]
+    if not named:
+        return Verdict(False, f"none of the named tests failed (failed: {sorted(failed)})")
+    return Verdict(True, f"{len(named)} of {len(tests)} named test(s) failed")
 
 
 def run(mutation: Mutation) -> bool:
@@ -1451,17 +1541,24 @@ def run(mutation: Mutation) -> bool:
                 print(f"STALE   {mutation.name}\n        {old!r} is not in {file} exactly once")
                 return False
             target.write_text(source.replace(old, new))
-        result = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *mutation.tests],
-            cwd=copy,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-        print(f"{'CAUGHT' if result.returncode else 'MISSED'}  {mutation.name}\n        {summary}")
-        return result.returncode != 0
+        command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider"]
+        try:
+            result = subprocess.run(
+                [*command, *mutation.tests],
+                cwd=copy,
+                capture_output=True,
+                text=True,
+                timeout=TEST_TIMEOUT_S,
+                check=False,
+            )
+            returncode, output = result.returncode, result.stdout
+        except subprocess.TimeoutExpired:
+            returncode, output = None, ""
+        summary = output.strip().splitlines()[-1] if output.strip() else ""
+        judged = verdict(returncode, output, mutation.tests)
+        label = "CAUGHT" if judged.caught else "MISSED"
+        print(f"{label}  {mutation.name}\n        {judged.why}; {summary}")
+        return judged.caught
 
 
 def main() -> int:

@@ -13,7 +13,9 @@ from trio_gym.config import (
     ServeConfig,
     load_caller_config,
     load_serve_config,
+    parse_agent_pairs,
 )
+from trio_gym.http import Endpoint
 
 
 def test_defaults_are_the_contracts_defaults() -> None:
@@ -212,3 +214,77 @@ def test_ordinary_host_env_names_pass() -> None:
         {"host_env": {"GIT_AUTHOR_NAME": "a", "NMP_HEARTBEAT_INTERVAL_S": "5"}}, source="x"
     )
     assert load_serve_config(environ=caller.bootstrap_environment()).heartbeat_interval_s == 5
+
+
+# --- errors that could carry a secret, and errors on one line -----------------------------------
+
+SECRET_NUMBER = "7945610009911"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"control_token: {SECRET_NUMBER}\n",
+        f"control_token: [{SECRET_NUMBER}, x]\n",
+        f"broker_token: {{a: {SECRET_NUMBER}}}\n",
+        f"gym_global_config: [policy_api_key, {SECRET_NUMBER}]\n",
+    ],
+    ids=["token-as-number", "token-as-list", "broker-token-as-mapping", "gym-config-as-list"],
+)
+def test_a_secret_in_a_bad_config_file_is_never_echoed(tmp_path: Path, text: str) -> None:
+    file = tmp_path / "serve.yaml"
+    file.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_serve_config(file=file, environ={})
+    message = str(caught.value)
+    assert SECRET_NUMBER not in message
+    assert "=<redacted>:" in message and "serve.yaml" in message  # still says where and what
+
+
+def test_a_secret_in_a_bad_variable_is_never_echoed() -> None:
+    environ = {"NMP_GYM_GLOBAL_CONFIG": f'["sk-{SECRET_NUMBER}"]'}
+    with pytest.raises(ConfigError) as caught:
+        load_serve_config(environ=environ)
+    assert SECRET_NUMBER not in str(caught.value)
+    assert "NMP_GYM_GLOBAL_CONFIG=<redacted>" in str(caught.value)
+
+
+def test_a_host_env_value_is_never_echoed() -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_caller_config({"host_env": {"GYM_SEED": int(SECRET_NUMBER)}}, source="trainer.yaml")
+    assert SECRET_NUMBER not in str(caught.value) and "host_env" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://user:hunter2@gym:notaport", "ftp://user:hunter2@gym:1", "http://user:hunter2@"],
+    ids=["bad-port", "bad-scheme", "no-host"],
+)
+def test_a_urls_user_information_is_never_echoed(url: str) -> None:
+    with pytest.raises(ValueError) as caught:
+        Endpoint.parse(url)
+    assert "hunter2" not in str(caught.value) and "<redacted>@" in str(caught.value)
+    with pytest.raises(ValueError) as pair:
+        parse_agent_pairs([url])  # no NAME= before it
+    assert "hunter2" not in str(pair.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "what"),
+    [
+        ("port: 9000\nagents: [a, b\n", "serve.yaml:3:1", "expected ',' or ']'"),
+        ("port: !!python/object:os.system ls\n", "serve.yaml:1:7", "could not determine"),
+        ("job_id: 'open\n", "serve.yaml:2:1", "found unexpected end of stream"),
+    ],
+    ids=["flow-sequence", "refused-tag", "open-quote"],
+)
+def test_a_yaml_error_is_one_line_naming_file_line_and_column(
+    tmp_path: Path, text: str, line: str, what: str
+) -> None:
+    file = tmp_path / "serve.yaml"
+    file.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_serve_config(file=file, environ={})
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith(f"{tmp_path}/{line}: not valid YAML: ") and what in message

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -114,6 +115,40 @@ async def test_restore_dispatches_each_exported_episode_once_as_the_next_attempt
     assert sum(len(r.started) for r in f.runners.values()) == len(exported)
 
 
+async def test_a_checkpoint_moved_elsewhere_restores_from_where_it_is_now(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    manifest, _ = await checkpoint_mid_flight(tmp_path)
+    exported = {key for host in manifest.hosts for key in host.episodes}
+    for host in manifest.hosts:  # every path is the checkpoint's own, relative to it
+        assert host.directory == f"hosts/{host.instance}"
+        assert all(p.state_directory.startswith(f"{host.directory}/") for p in host.participants)
+    moved = tmp_path / "other-storage" / "c1"
+    moved.parent.mkdir()
+    shutil.move(tmp_path / "c1", moved)  # as a trainer copies its checkpoints away
+    async with fleet() as f:
+        restored = await f.coordinator.restore(moved)
+        await run_all(f, {g: GROUPS[g] for g in restored.groups})
+    assert sorted(restored.restored) == sorted(f"{key}-a1" for key in exported)
+    assert len(f.consumed) == len(exported)
+
+
+@pytest.mark.parametrize("where", ["absolute", "escaping"])
+async def test_a_manifest_pointing_outside_its_checkpoint_is_refused_before_any_host_changes(
+    autojump_clock: trio.abc.Clock, tmp_path: Path, where: str
+) -> None:
+    await checkpoint_mid_flight(tmp_path)
+    path = tmp_path / "c1" / "gym_checkpoint.json"
+    document = json.loads(path.read_text())
+    host = document["hosts"][0]
+    host["directory"] = str(tmp_path / "c1" / host["directory"]) if where == "absolute" else "../c0"
+    path.write_text(json.dumps(document))
+    async with fleet() as f:
+        with pytest.raises(RestoreRefused, match="not a path inside the checkpoint"):
+            await f.coordinator.restore(tmp_path / "c1")
+        assert all(h.checkpoints.status()["counts"]["restored"] == 0 for h in f.hosts.values())
+
+
 async def test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
@@ -131,7 +166,7 @@ async def test_a_tampered_export_is_refused_before_any_host_changes(
     manifest, _ = await checkpoint_mid_flight(tmp_path)
     host = manifest.hosts[0]
     calendar_part = next(p for p in host.participants if p.kind == "side_effect_store")
-    records = Path(host.directory, "participants", calendar_part.kind, calendar_part.server_name)
+    records = tmp_path / "c1" / calendar_part.state_directory
     (records / calendar_part.records_file).write_text('{"capture_key": "forged"}\n')
     async with fleet() as f:
         with pytest.raises(RestoreRefused, match="SHA-256"):

@@ -186,7 +186,7 @@ async def test_restores_that_do_not_fit_live_hosts_or_their_files_change_nothing
                 await trainer(swapped, []).restore(tmp_path / "c1")
             export = next(host for host in manifest.hosts if host.episodes)
             part = next(p for p in export.participants if p.kind == "side_effect_store")
-            records = Path(export.directory, "participants", part.kind, part.server_name)
+            records = tmp_path / "c1" / part.state_directory
             (records / part.records_file).write_text('{"capture_key": "forged"}\n')
             with pytest.raises(RestoreRefused, match="SHA-256") as digest:
                 await trainer(pair, []).restore(tmp_path / "c1")

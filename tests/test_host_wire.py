@@ -279,6 +279,55 @@ async def test_unknown_path_404_and_wrong_method_405_with_allow() -> None:
     assert int(head.headers["content-length"]) > 0
 
 
+async def raw_answer(port: int, request: bytes) -> bytes:
+    """Everything the host writes back, until it closes."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(request)
+        await stream.send_eof()
+        received = b""
+        with trio.fail_after(30):
+            while data := await stream.receive_some(65536):
+                received += data
+    return received
+
+
+@pytest.mark.parametrize(
+    ("request_head", "status"),
+    [
+        (b"HEAD /health HTTP/1.1\r\nHost: h\r\nTransfer-Encoding: identity\r\n\r\n", 501),
+        (b"HEAD /health HTTP/1.1\r\nHost: h\r\nbroken header\r\n\r\n", 400),
+        (b"HEAD /health HTTP/1.1\r\nHost: h\r\nX: " + b"x" * 20000 + b"\r\n\r\n", 431),
+        (b"HEAD /health HTTP/2.0\r\nHost: h\r\n\r\n", 505),
+        (
+            b"HEAD /health HTTP/1.1\r\nHost: h\r\nContent-Length: 0\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            400,
+        ),
+        (b"HEAD /nowhere HTTP/1.1\r\nHost: h\r\n\r\n", 404),
+        (b"HEAD /rollouts/run HTTP/1.0\r\n\r\n", 405),
+    ],
+    ids=[
+        "framing-501",
+        "malformed-400",
+        "too-large-431",
+        "version-505",
+        "smuggling-400",
+        "404",
+        "405",
+    ],
+)
+async def test_no_answer_to_head_carries_a_body_whatever_refused_it(
+    request_head: bytes, status: int
+) -> None:
+    async with running_host(runner=CountingRunner()) as (host, port):
+        answer = await raw_answer(port, request_head)
+    head, separator, body = answer.partition(b"\r\n\r\n")
+    assert separator and head.startswith(f"HTTP/1.1 {status} ".encode()), answer[:200]
+    assert body == b""  # RFC 9110 §9.3.2: a response to HEAD has no content
+    assert b"\r\ncontent-length: " in head.lower()  # framed all the same
+
+
 async def test_extra_connections_beyond_the_cap_get_503_host_busy() -> None:
     async with running_host(runner=CountingRunner(), max_connections=1) as (host, port):
         holder = await trio.open_tcp_stream("127.0.0.1", port)  # takes the only slot

@@ -27,13 +27,13 @@ def manifest(**changes: Any) -> dict[str, Any]:
         "hosts": [
             {
                 "instance": "http://a:8080",
-                "directory": "/exports/c7/a",
+                "directory": "hosts/a",
                 "episodes": ["g1.0", "g1.1-a1"],
                 "participants": [
                     {
                         "server_name": "host",
                         "kind": "episodes",
-                        "state_directory": "/exports/c7/a/participants/episodes/host",
+                        "state_directory": "hosts/a/participants/episodes/host",
                         "records_file": f"{DIGEST}.jsonl",
                         "sha256": DIGEST,
                         "record_count": 2,
@@ -80,6 +80,33 @@ def test_a_manifest_without_topology_or_with_surprises_is_refused(
 ) -> None:
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(document))
     with pytest.raises(ManifestError, match=reason):
+        load_manifest(tmp_path)
+
+
+def _host_with(**changes: Any) -> dict[str, Any]:
+    return {**manifest()["hosts"][0], **changes}
+
+
+def _participant_in(state_directory: str) -> dict[str, Any]:
+    participant = manifest()["hosts"][0]["participants"][0]
+    return _host_with(participants=[{**participant, "state_directory": state_directory}])
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        _host_with(directory="/exports/c7/a"),
+        _host_with(directory="hosts/../../elsewhere"),
+        _participant_in("/exports/c7/a/participants/episodes/host"),
+        _participant_in("../participants"),
+    ],
+    ids=["absolute-export", "escaping-export", "absolute-state", "escaping-state"],
+)
+def test_a_path_that_is_absolute_or_leaves_the_checkpoint_is_refused(
+    tmp_path: Path, host: dict[str, Any]
+) -> None:
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(manifest(hosts=[host])))
+    with pytest.raises(ManifestError, match="not a path inside the checkpoint"):
         load_manifest(tmp_path)
 
 

@@ -23,12 +23,16 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from trio_gym.errors import REDACTED, without_userinfo
 from trio_gym.http import HttpLimits
 from trio_gym.logs import log_event
 
 MiB: Final = 1024 * 1024
 
 PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+# Marks a field whose value is never echoed in an error (tokens, a config holding API keys).
+SECRET: Final[dict[str, Any]] = {"secret": True}
 
 
 class ServeConfig(BaseModel):
@@ -89,6 +93,7 @@ class ServeConfig(BaseModel):
     control_token: str = Field(
         default="",
         description="Bearer token of the checkpoint control plane; empty turns the plane off.",
+        json_schema_extra=SECRET,
     )
     agents: dict[str, str] = Field(
         default_factory=dict,
@@ -117,6 +122,7 @@ class ServeConfig(BaseModel):
         default=None,
         description="For runner 'gym': Gym's global config (JSON object), merged with the "
         "environment package's config_paths; given without a runner, the runner is 'gym'.",
+        json_schema_extra=SECRET,  # it holds the model's API key
     )
     gym_python: str = Field(
         default="",
@@ -137,7 +143,9 @@ class ServeConfig(BaseModel):
     )
     broker_url: str = Field(default="", description="Handed to Gym's processes as NMP_BROKER_URL.")
     broker_token: str = Field(
-        default="", description="Handed to Gym's processes as NMP_BROKER_TOKEN (a secret)."
+        default="",
+        description="Handed to Gym's processes as NMP_BROKER_TOKEN (a secret).",
+        json_schema_extra=SECRET,
     )
 
     @model_validator(mode="before")
@@ -259,7 +267,9 @@ def parse_agent_pairs(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         name, sep, url = pair.partition("=")
         if not sep or not name.strip() or not url.strip():
-            raise ValueError(f"{pair!r}: expected NAME=URL, e.g. my_agent=http://127.0.0.1:8001")
+            raise ValueError(
+                f"{without_userinfo(pair)!r}: expected NAME=URL, e.g. my_agent=http://127.0.0.1:8001"
+            )
         if name.strip() in agents:
             raise ValueError(f"agent {name.strip()!r} is given twice")
         agents[name.strip()] = url.strip()
@@ -320,12 +330,15 @@ class CallerConfig(BaseModel):
         description="The wheelhouse is a complete closure: install and resolve with no index.",
     )
     host_env: dict[str, str] = Field(
-        default_factory=dict, description="Extra variables for the host process (no secrets)."
+        default_factory=dict,
+        description="Extra variables for the host process (no secrets).",
+        json_schema_extra=SECRET,  # its values are never echoed: a screen is not a guarantee
     )
     gym_global_config: dict[str, Any] | None = Field(
         default=None,
         description="Gym's global config for a host that starts the environment's Gym "
         "deployment (NMP_GYM_GLOBAL_CONFIG); its model settings are the operator's.",
+        json_schema_extra=SECRET,
     )
     rollout_chunk_size: int = Field(default=8, gt=0, description="Examples per request.")
     rollout_max_in_flight: int = Field(default=8, gt=0, description="Requests at once.")
@@ -379,6 +392,20 @@ class ConfigError(ValueError):
     """A configuration that cannot be used; the message names each bad key and its source."""
 
 
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error on one line, to follow a file name: ``:LINE:COLUMN: what was expected``.
+
+    PyYAML's own message draws the offending line with a caret under it, over several lines;
+    a log keeps lines one by one, and the line drawn may hold a secret."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark is not None else ""
+        what = exc.problem or "unreadable"
+        during = f" ({exc.context})" if exc.context else ""
+        return f"{where}: not valid YAML: {what}{during}"
+    return f": not valid YAML: {type(exc).__name__}"
+
+
 def read_config_file(path: Path) -> dict[str, Any]:
     """Load a YAML (or JSON) mapping; raises :class:`ConfigError` naming the file."""
     try:
@@ -386,7 +413,7 @@ def read_config_file(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the config file ({exc.strerror})") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML or JSON: {exc}") from exc
+        raise ConfigError(f"{path}{yaml_problem(exc)}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -430,7 +457,9 @@ def load_serve_config(
     try:
         return ServeConfig.model_validate(merged)
     except pydantic.ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc, sources)) from exc
+        raise ConfigError(
+            describe_validation_error(exc, sources, secrets=secret_fields(ServeConfig))
+        ) from exc
 
 
 _BOOLEAN_FIELDS: Final = frozenset(
@@ -457,32 +486,53 @@ def load_caller_config(data: Any, *, source: str) -> CallerConfig:
     try:
         return CallerConfig.model_validate(data)
     except pydantic.ValidationError as exc:
-        raise ConfigError(f"{source}: {describe_validation_error(exc)}") from exc
+        secrets = secret_fields(CallerConfig)
+        raise ConfigError(f"{source}: {describe_validation_error(exc, secrets=secrets)}") from exc
+
+
+def secret_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` marked :data:`SECRET`."""
+    return frozenset(
+        name
+        for name, field in model.model_fields.items()
+        if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("secret")
+    )
 
 
 def describe_validation_error(
-    exc: pydantic.ValidationError, sources: Mapping[str, str] | None = None
+    exc: pydantic.ValidationError,
+    sources: Mapping[str, str] | None = None,
+    *,
+    secrets: frozenset[str] = frozenset(),
 ) -> str:
     """Every problem on one line: where the value came from, what it was, what is wrong."""
-    return "; ".join(validation_problems(exc, sources))
+    return "; ".join(validation_problems(exc, sources, secrets=secrets))
 
 
 def validation_problems(
-    exc: pydantic.ValidationError, sources: Mapping[str, str] | None = None
+    exc: pydantic.ValidationError,
+    sources: Mapping[str, str] | None = None,
+    *,
+    secrets: frozenset[str] = frozenset(),
 ) -> list[str]:
-    """One entry per problem: where the value came from, what it was, what is wrong."""
+    """One entry per problem: where the value came from, what it was, what is wrong.
+
+    A value is shown, to say what was wrong with it, except a secret's: a field in
+    ``secrets`` shows :data:`~trio_gym.errors.REDACTED`, and any URL's user information is
+    redacted wherever it appears (the logs an error lands in are kept by the platform)."""
     lines = []
     for error in exc.errors():
         location = ".".join(str(part) for part in error["loc"])
         key = str(error["loc"][0]) if error["loc"] else ""
         where = (sources or {}).get(key, location)
-        message = error["msg"].removeprefix("Value error, ")
+        message = without_userinfo(error["msg"].removeprefix("Value error, "))
         if error["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown key {location!r}")
         elif not location:
             lines.append(message)
         elif "input" in error and where != location:
-            lines.append(f"{where}={error['input']!r}: {message}")
+            shown = REDACTED if key in secrets else without_userinfo(repr(error["input"]))
+            lines.append(f"{where}={shown}: {message}")
         else:
             lines.append(f"{location}: {message}")
     return lines

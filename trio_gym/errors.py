@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -113,6 +114,16 @@ def leaves(group: BaseExceptionGroup[E]) -> list[E]:
         else:
             found.append(exc)
     return found
+
+
+REDACTED = "<redacted>"
+# The user information of a URL (``scheme://user:password@host``): a credential.
+_USERINFO = re.compile(r"(//)[^/@\s]+@")
+
+
+def without_userinfo(text: str) -> str:
+    """``text`` with every URL's user information replaced by :data:`REDACTED`."""
+    return _USERINFO.sub(rf"\1{REDACTED}@", text)
 
 
 def readable_body(body: bytes, limit: int = 500) -> str:

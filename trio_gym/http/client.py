@@ -19,7 +19,7 @@ import attrs
 import h11
 import trio
 
-from trio_gym.errors import WireError
+from trio_gym.errors import WireError, without_userinfo
 from trio_gym.http.connection import ConnectionLost, HttpConnection
 from trio_gym.http.limits import HttpLimits
 from trio_gym.http.messages import read_body, send_message
@@ -35,20 +35,22 @@ class Endpoint:
 
     @classmethod
     def parse(cls, url: str) -> Endpoint:
-        """Parse ``http://host[:port][/base]``; raises ``ValueError`` naming what is wrong."""
+        """Parse ``http://host[:port][/base]``; raises ``ValueError`` naming what is wrong (the
+        URL quoted without its user information: a credential has no place in a message)."""
+        shown = repr(without_userinfo(url))
         try:
             parts = urllib.parse.urlsplit(url)
             port = parts.port
         except ValueError as exc:
-            raise ValueError(f"{url!r}: not a URL ({exc})") from exc
+            raise ValueError(f"{shown}: not a URL ({without_userinfo(str(exc))})") from exc
         if parts.scheme != "http":
-            raise ValueError(f"{url!r}: only http:// URLs are supported (got {parts.scheme!r})")
+            raise ValueError(f"{shown}: only http:// URLs are supported (got {parts.scheme!r})")
         if not parts.hostname:
-            raise ValueError(f"{url!r}: the URL names no host")
+            raise ValueError(f"{shown}: the URL names no host")
         if parts.query or parts.fragment:
-            raise ValueError(f"{url!r}: a base URL takes no query or fragment")
+            raise ValueError(f"{shown}: a base URL takes no query or fragment")
         if any(character.isspace() or ord(character) < 32 for character in parts.path):
-            raise ValueError(f"{url!r}: the path has whitespace or control characters")
+            raise ValueError(f"{shown}: the path has whitespace or control characters")
         return cls(parts.hostname, port or 80, parts.path.rstrip("/"))
 
     @property

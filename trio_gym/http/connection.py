@@ -19,6 +19,8 @@ Role = type[h11.CLIENT] | type[h11.SERVER]
 
 # States in which the peer's next bytes belong to a message head.
 _HEAD_STATES: Final = (h11.IDLE, h11.SEND_RESPONSE)
+# Enough of a request's first bytes to hold any method name and the space after it.
+_METHOD_BYTES: Final = 16
 
 
 class ConnectionLost(Exception):
@@ -57,6 +59,16 @@ class HttpConnection:
         self.eof_received = False
         """True once the peer shut down its sending side (a half-close or a full close)."""
         self.request_method: bytes | None = None
+        """The request's method, once h11 has parsed its head."""
+        self._first_bytes = b""
+        """The start of what the peer sent: a request h11 refused still named its method."""
+
+    @property
+    def answering_head(self) -> bool:
+        """Whether the answer is to a ``HEAD`` request — parsed, or refused but named so in its
+        request line (RFC 9110 §9.3.2: a response to HEAD never carries a body)."""
+        method = self.request_method or self._first_bytes.partition(b" ")[0]
+        return method == b"HEAD"
 
     @property
     def their_http_version(self) -> bytes | None:
@@ -237,6 +249,8 @@ class HttpConnection:
             raise ConnectionLost(f"the peer reset the connection ({exc.__cause__ or exc})") from exc
         if in_head:
             self._head_bytes += len(data)
+            if len(self._first_bytes) < _METHOD_BYTES:
+                self._first_bytes += data[: _METHOD_BYTES - len(self._first_bytes)]
         if not data:
             self.eof_received = True
         return bytes(data)  # no copy when it already is bytes, as from a socket

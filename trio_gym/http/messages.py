@@ -58,16 +58,22 @@ async def send_body(
 ) -> None:
     """Send a whole response behind ``Content-Length``.
 
-    To a ``HEAD`` request the headers say what a ``GET`` would get and no body follows. Raises
+    To a ``HEAD`` request no body follows: the headers say what a ``GET`` would get, or, when
+    h11 refused the request's head (so that h11 cannot know it was HEAD and would expect the
+    body its ``Content-Length`` announced), ``Content-Length: 0``. Raises
     :class:`ConnectionLost` if the peer is gone; a checkpoint.
     """
+    if conn.answering_head:
+        length = str(len(body)) if conn.request_method == b"HEAD" else "0"
+        head = _response(
+            status, [("content-type", content_type), ("content-length", length), *headers]
+        )
+        await conn.send(head, h11.EndOfMessage())
+        return
     head = _response(
         status,
         [("content-type", content_type), ("content-length", str(len(body))), *headers],
     )
-    if conn.request_method == b"HEAD":
-        await conn.send(head, h11.EndOfMessage())
-        return
     await send_message(conn, head, body)
 
 

@@ -26,7 +26,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from trio_gym.config import validation_problems
+from trio_gym.config import validation_problems, yaml_problem
 
 MANIFEST: Final = "nemo-environment.yaml"
 WHEELS_DIR: Final = "wheels"
@@ -165,8 +165,11 @@ def _load_manifest(root: Path, problems: list[str]) -> NativeManifest | WheelsMa
         return None
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (yaml.YAMLError, UnicodeDecodeError) as exc:
-        problems.append(f"{MANIFEST}: not valid YAML: {exc}")
+    except yaml.YAMLError as exc:
+        problems.append(f"{MANIFEST}{yaml_problem(exc)}")
+        return None
+    except UnicodeDecodeError as exc:
+        problems.append(f"{MANIFEST}: not UTF-8 (byte {exc.start})")
         return None
     if not isinstance(data, dict):
         problems.append(f"{MANIFEST}: must be a mapping of format, config_paths and metadata")
@@ -257,8 +260,11 @@ def _inspect_components(
     for relative in configs:
         try:
             data: Any = yaml.safe_load((root / relative).read_text(encoding="utf-8"))
-        except (yaml.YAMLError, UnicodeDecodeError) as exc:
-            problems.append(f"{relative}: not valid YAML: {exc}")
+        except yaml.YAMLError as exc:
+            problems.append(f"{relative}{yaml_problem(exc)}")
+            continue
+        except UnicodeDecodeError as exc:
+            problems.append(f"{relative}: not UTF-8 (byte {exc.start})")
             continue
         if not isinstance(data, dict):
             problems.append(f"{relative}: a Gym config must be a mapping of server instances")

@@ -35,11 +35,11 @@ from typing import Any, Final, TypeVar
 
 import attrs
 import trio
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trio_gym.config import describe_validation_error
 from trio_gym.errors import WireError
-from trio_gym.host.export import read_export
+from trio_gym.host.export import ManifestParticipant, read_export
 from trio_gym.logs import log_event
 from trio_gym.trainer.control import REPLY_GRACE_S, ControlError
 from trio_gym.trainer.dispatch import Dispatcher
@@ -303,14 +303,23 @@ class CheckpointCoordinator:
                     f"{sorted(covered)}, the export is {sorted(keys)}",
                     checkpoint_id,
                 )
+        parts = []
+        for entry in parsed.participants:
+            state = Path(entry.state_directory)
+            if not state.is_relative_to(directory):
+                raise CheckpointAborted(
+                    f"{host} put {entry.server_name}/{entry.kind}'s state in {state}, outside "
+                    f"the checkpoint {directory}",
+                    checkpoint_id,
+                )
+            fields = entry.model_dump(exclude={"capture_keys", "state_directory"})
+            relative = state.relative_to(directory).as_posix()
+            parts.append(Participant.model_validate({**fields, "state_directory": relative}))
         return HostExport(
             instance=host,
-            directory=str(export_directory),
+            directory=export_directory.relative_to(directory).as_posix(),
             episodes=sorted(keys),
-            participants=[
-                Participant.model_validate(entry.model_dump(exclude={"capture_keys"}))
-                for entry in parsed.participants
-            ],
+            participants=parts,
         )
 
     def _check_ownership(self, checkpoint_id: str, exports: dict[str, HostExport]) -> set[str]:
@@ -423,6 +432,7 @@ class CheckpointCoordinator:
             self._busy = False
 
     async def _restore(self, directory: Path) -> Restored:
+        directory = _absolute(directory)  # hosts read their exports under it
         manifest, ledger = _loaded(directory)
         source = manifest.checkpoint_id
         if self.dispatcher.ledger.groups:
@@ -431,7 +441,7 @@ class CheckpointCoordinator:
                 f"{len(self.dispatcher.ledger.groups)} group(s)",
                 source,
             )
-        self._check_files(manifest, ledger)
+        self._check_files(directory, manifest, ledger)
         statuses = await self._check_live_topology(manifest)
         exports = {host.instance: host for host in manifest.hosts if host.episodes}
         successors = {
@@ -452,7 +462,7 @@ class CheckpointCoordinator:
         try:
             await self._every_host(
                 lambda host: self._restore_on(
-                    host, restore_id, exports.get(host), successors.get(host, [])
+                    host, restore_id, directory, exports.get(host), successors.get(host, [])
                 )
             )
         except (CheckpointUnavailable, CheckpointAborted) as failure:
@@ -480,7 +490,7 @@ class CheckpointCoordinator:
         log_event("checkpoint_restored", checkpoint_id=source, episodes=len(restored))
         return Restored(source, dict(manifest.trainer_state), groups, restored)
 
-    def _check_files(self, manifest: CheckpointManifest, ledger: Ledger) -> None:
+    def _check_files(self, directory: Path, manifest: CheckpointManifest, ledger: Ledger) -> None:
         """The manifest's hosts are this dispatcher's, and each export on disk carries the
         committed digests and the episodes the ledger says it holds."""
         source = manifest.checkpoint_id
@@ -493,7 +503,7 @@ class CheckpointCoordinator:
             )
         for host in manifest.hosts:
             try:
-                export = read_export(Path(host.directory))
+                export = read_export(directory / host.directory)
             except WireError as exc:
                 raise RestoreRefused(f"{host.instance}: {exc.message}", source) from exc
             on_disk = {
@@ -573,6 +583,7 @@ class CheckpointCoordinator:
         self,
         host: str,
         restore_id: str,
+        directory: Path,
         export: HostExport | None,
         successors: list[tuple[str, int]],
     ) -> None:
@@ -580,7 +591,7 @@ class CheckpointCoordinator:
             return
         reply = await self.dispatcher.hosts[host].control.restore(
             restore_id,
-            export.directory,
+            str(directory / export.directory),
             capture_keys=export.episodes,
             timeout_s=self.settings.control_timeout_s,
             lease_s=self.settings.lease_s,
@@ -607,7 +618,12 @@ class CheckpointCoordinator:
         await self._every_host_regardless(undo, calls=2, event="restore_undo_failed")
 
 
-class _CommittedParticipant(Participant):
+class _CommittedParticipant(ManifestParticipant):
+    """A participant as the host's commit reply names it: its state where the host wrote it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    state_directory: str = Field(min_length=1)
     capture_keys: list[str]
 
 
@@ -625,16 +641,20 @@ class _Renewal:
     failure: CheckpointUnavailable | None = None
 
 
+def _absolute(directory: Path) -> Path:
+    return Path(os.path.abspath(directory))
+
+
 def _made(directory: Path) -> Path:
     """``directory`` made absolute (hosts write their exports under it) and created."""
-    directory = Path(os.path.abspath(directory))
+    directory = _absolute(directory)
     directory.mkdir(parents=True, exist_ok=True)
     return directory
 
 
 def _loaded(directory: Path) -> tuple[CheckpointManifest, Ledger]:
     try:
-        manifest = load_manifest(Path(os.path.abspath(directory)))
+        manifest = load_manifest(directory)
         return manifest, Ledger.from_json(manifest.ledger, incarnation=uuid.uuid4().hex[:8])
     except (ManifestError, LedgerError) as exc:
         raise RestoreRefused(str(exc)) from exc

@@ -5,17 +5,19 @@ exported (by capture key) and its participants — the state-holding parts whose
 found on disk, unchanged, before anything is restored. Loading is strict: a manifest without
 participant topology, or with anything it should not have, is refused with the reason, because
 restoring from a manifest that cannot say where the state is would install nothing or the wrong
-thing.
+thing. Every path in it is relative to the checkpoint's own directory, and one that is absolute
+or leads out of it is refused: trainers copy checkpoints to other storage and restore from
+there.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
-from typing import Any, Final, Literal
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from trio_gym.config import describe_validation_error
 from trio_gym.host.export import ManifestParticipant
@@ -28,6 +30,21 @@ class ManifestError(Exception):
     """A manifest that cannot be loaded as it is; the message says what is wrong."""
 
 
+def _inside(path: str) -> str:
+    """A path inside the checkpoint's directory: relative, and no way out of it."""
+    parts = PurePosixPath(path).parts
+    if not path or PurePosixPath(path).is_absolute() or ".." in parts or "\\" in path:
+        raise ValueError(
+            f"{path!r} is not a path inside the checkpoint (relative, without ..); a "
+            "checkpoint records where its files are relative to itself, so it can move"
+        )
+    return path
+
+
+InsidePath = Annotated[str, AfterValidator(_inside)]
+"""Where something lives, relative to the checkpoint's directory (which may have moved)."""
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -38,15 +55,16 @@ class Participant(ManifestParticipant):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    state_directory: str = Field(min_length=1)
+    state_directory: InsidePath
 
 
 class HostExport(_Strict):
     instance: str = Field(min_length=1)
     """The host's name in the trainer (its dispatcher's host name): restored episodes go back
     to it and nowhere else."""
-    directory: str = Field(min_length=1)
-    """Where the host exported (its manifest and participants live under it)."""
+    directory: InsidePath
+    """Where the host exported (its manifest and participants live under it), relative to
+    the checkpoint's directory."""
     episodes: list[str]
     """Capture keys of the episodes this host exported (parked at a step boundary)."""
     participants: list[Participant] = Field(min_length=1)
