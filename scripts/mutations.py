@@ -456,7 +456,7 @@ MUTATIONS = [
     ),
     Mutation(
         "restore skips the digest check",
-        "trio_gym/host/export.py",
+        "trio_gym/protocol/export.py",
         "    if digest != entry.sha256:",
         "    if False:",
         (
@@ -541,7 +541,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a lease of any length accepted",
-        "trio_gym/host/control.py",
+        "trio_gym/protocol/control.py",
         "le=MAX_LEASE_S, ",
         "",
         ("tests/test_checkpoint_rules.py::test_a_lease_longer_than_an_hour_is_refused",),
@@ -571,7 +571,7 @@ MUTATIONS = [
     ),
     Mutation(
         "an existing manifest accepted whatever it holds",
-        "trio_gym/host/export.py",
+        "trio_gym/protocol/export.py",
         "        if path.read_bytes() == data:",
         "        if True:",
         (
@@ -594,7 +594,7 @@ MUTATIONS = [
     ),
     Mutation(
         "restore trusts the manifest's record count",
-        "trio_gym/host/export.py",
+        "trio_gym/protocol/export.py",
         "    if len(lines) != entry.record_count:",
         "    if False:",
         (
@@ -603,7 +603,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a records file name may be any path",
-        "trio_gym/host/export.py",
+        "trio_gym/protocol/export.py",
         'Field(pattern=r"^[0-9a-f]{64}\\.jsonl$")',
         "Field()",
         (
@@ -1445,7 +1445,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a secret echoed in a config error (#14)",
-        "trio_gym/config.py",
+        "trio_gym/errors.py",
         '            shown = REDACTED if key in secrets else without_userinfo(repr(error["input"]))',
         '            shown = repr(error["input"])',
         (
@@ -1492,6 +1492,13 @@ MUTATIONS = [
             "tests/test_trainer_manifest.py::test_a_path_that_is_absolute_or_leaves_the_checkpoint_is_refused",
             "tests/test_coordinator.py::test_a_manifest_pointing_outside_its_checkpoint_is_refused_before_any_host_changes",
         ),
+    ),
+    Mutation(
+        "importing the trainer loads the host (#15)",
+        "trio_gym/__init__.py",
+        "from typing import TYPE_CHECKING, Any\n",
+        "from typing import TYPE_CHECKING, Any\n\nfrom trio_gym.host import Host, serve  # noqa: F401\n",
+        ("tests/test_layout.py::test_importing_one_side_loads_nothing_of_the_other",),
     ),
     Mutation(
         "the mutation runner counts any non-zero exit as caught (#14)",

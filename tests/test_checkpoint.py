@@ -16,7 +16,7 @@ from tests.helpers import CountingRunner, exchange, request_bytes
 from tests.test_client import URL, in_memory
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
-from trio_gym.host.export import MANIFEST, read_export, write_records
+from trio_gym.protocol.export import MANIFEST, read_export, write_records
 from trio_gym.runners import ExampleContext, ExampleRunner
 from trio_gym.trainer import ClientSettings, RolloutClient, RolloutError
 from trio_gym.trainer.control import ControlError, HostControl

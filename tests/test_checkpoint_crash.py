@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from tests.test_cli import LogReader, serve_process
-from trio_gym.host.export import read_export
+from trio_gym.protocol.export import read_export
 from trio_gym.runners import ExampleContext, ExampleRunner
 from trio_gym.trainer import RolloutClient, RolloutError
 from trio_gym.trainer.control import HostControl

@@ -21,7 +21,7 @@ from tests.test_client import in_memory
 from trio_gym.config import ServeConfig
 from trio_gym.errors import WireError
 from trio_gym.host import Host
-from trio_gym.host.export import MANIFEST
+from trio_gym.protocol.export import MANIFEST
 from trio_gym.runners import ExampleRunner
 from trio_gym.trainer import RolloutError
 from trio_gym.trainer.control import ControlError, ControlTimeout, HostControl

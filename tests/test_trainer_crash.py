@@ -23,7 +23,8 @@ import trio
 from tests.fleet import uninterrupted
 from tests.live import TOKEN, LiveHost, live_hosts
 from tests.trainer_process import KILL_POINTS, group_examples, newest_checkpoint
-from trio_gym.trainer.ledger import Ledger, capture_key
+from trio_gym.protocol.identity import capture_key
+from trio_gym.trainer.ledger import Ledger
 from trio_gym.trainer.manifest import load_manifest
 
 HANG_GUARD_S = 120

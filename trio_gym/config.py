@@ -23,7 +23,7 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trio_gym.errors import REDACTED, without_userinfo
+from trio_gym.errors import describe_validation_error, without_userinfo
 from trio_gym.http import HttpLimits
 from trio_gym.logs import log_event
 
@@ -497,42 +497,3 @@ def secret_fields(model: type[BaseModel]) -> frozenset[str]:
         for name, field in model.model_fields.items()
         if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("secret")
     )
-
-
-def describe_validation_error(
-    exc: pydantic.ValidationError,
-    sources: Mapping[str, str] | None = None,
-    *,
-    secrets: frozenset[str] = frozenset(),
-) -> str:
-    """Every problem on one line: where the value came from, what it was, what is wrong."""
-    return "; ".join(validation_problems(exc, sources, secrets=secrets))
-
-
-def validation_problems(
-    exc: pydantic.ValidationError,
-    sources: Mapping[str, str] | None = None,
-    *,
-    secrets: frozenset[str] = frozenset(),
-) -> list[str]:
-    """One entry per problem: where the value came from, what it was, what is wrong.
-
-    A value is shown, to say what was wrong with it, except a secret's: a field in
-    ``secrets`` shows :data:`~trio_gym.errors.REDACTED`, and any URL's user information is
-    redacted wherever it appears (the logs an error lands in are kept by the platform)."""
-    lines = []
-    for error in exc.errors():
-        location = ".".join(str(part) for part in error["loc"])
-        key = str(error["loc"][0]) if error["loc"] else ""
-        where = (sources or {}).get(key, location)
-        message = without_userinfo(error["msg"].removeprefix("Value error, "))
-        if error["type"] == "extra_forbidden":
-            lines.append(f"{where}: unknown key {location!r}")
-        elif not location:
-            lines.append(message)
-        elif "input" in error and where != location:
-            shown = REDACTED if key in secrets else without_userinfo(repr(error["input"]))
-            lines.append(f"{where}={shown}: {message}")
-        else:
-            lines.append(f"{location}: {message}")
-    return lines

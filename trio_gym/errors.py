@@ -14,8 +14,10 @@ from __future__ import annotations
 import enum
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
+
+import pydantic
 
 E = TypeVar("E", bound=BaseException)
 
@@ -141,3 +143,42 @@ def quote_body(body: bytes, limit: int = 500) -> str:
     """The start of a body, quoted for an error message, with its full length if cut."""
     text = repr(body[:limit].decode("utf-8", "replace"))
     return f"{text} ... ({len(body)} bytes)" if len(body) > limit else text
+
+
+def describe_validation_error(
+    exc: pydantic.ValidationError,
+    sources: Mapping[str, str] | None = None,
+    *,
+    secrets: frozenset[str] = frozenset(),
+) -> str:
+    """Every problem on one line: where the value came from, what it was, what is wrong."""
+    return "; ".join(validation_problems(exc, sources, secrets=secrets))
+
+
+def validation_problems(
+    exc: pydantic.ValidationError,
+    sources: Mapping[str, str] | None = None,
+    *,
+    secrets: frozenset[str] = frozenset(),
+) -> list[str]:
+    """One entry per problem: where the value came from, what it was, what is wrong.
+
+    A value is shown, to say what was wrong with it, except a secret's: a field in
+    ``secrets`` shows :data:`~trio_gym.errors.REDACTED`, and any URL's user information is
+    redacted wherever it appears (the logs an error lands in are kept by the platform)."""
+    lines = []
+    for error in exc.errors():
+        location = ".".join(str(part) for part in error["loc"])
+        key = str(error["loc"][0]) if error["loc"] else ""
+        where = (sources or {}).get(key, location)
+        message = without_userinfo(error["msg"].removeprefix("Value error, "))
+        if error["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown key {location!r}")
+        elif not location:
+            lines.append(message)
+        elif "input" in error and where != location:
+            shown = REDACTED if key in secrets else without_userinfo(repr(error["input"]))
+            lines.append(f"{where}={shown}: {message}")
+        else:
+            lines.append(f"{location}: {message}")
+    return lines

@@ -15,18 +15,11 @@ from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import encode_json
 from trio_gym.http.messages import BODY_PIECE_BYTES
 from trio_gym.logs import log_event
+from trio_gym.protocol.identity import ATTEMPT_KEY, IDENTITY_KEYS, ROLLOUT_ID_KEY, EpisodeId
 from trio_gym.runners import ExampleContext
 
-from .episodes import ATTEMPT_KEY, ROLLOUT_ID_KEY, EpisodeId, LiveEpisode
+from .episodes import LiveEpisode
 from .state import Host, ResultsInfo
-
-IDENTITY_KEYS: Final = (
-    "_ng_task_index",
-    "_ng_rollout_index",
-    "_sg_example_id",
-    ROLLOUT_ID_KEY,
-    ATTEMPT_KEY,
-)
 
 # The upstream host's bounds for a reported traceback: enough to find the failing line of a
 # runner, small enough to read in a log viewer and to never crowd out the results.

@@ -28,16 +28,22 @@ import pydantic
 import trio
 from pydantic import BaseModel, ConfigDict, Field
 
-from trio_gym.config import describe_validation_error
-from trio_gym.errors import ErrorCode, WireError
+from trio_gym.errors import ErrorCode, WireError, describe_validation_error
 from trio_gym.logs import log_event
+from trio_gym.protocol.control import HOST_PARTICIPANT, MAX_LEASE_S
+from trio_gym.protocol.export import (
+    FORMAT,
+    ParticipantExport,
+    invalid,
+    publish_manifest,
+    read_export,
+    write_records,
+)
+from trio_gym.protocol.identity import EpisodeId
 from trio_gym.runners.base import StateParticipant
 
-from .episodes import EpisodeId, Episodes, LiveEpisode, RestoredEpisode
-from .export import FORMAT, ParticipantExport, invalid, publish_manifest, read_export, write_records
+from .episodes import Episodes, LiveEpisode, RestoredEpisode
 
-HOST_PARTICIPANT: Final = ("host", "episodes")
-MAX_LEASE_S: Final = 3600.0  # a lease (and the wait a prepare adds to it) is at most an hour
 SAMPLE: Final = 16  # blockers and restarts listed by name in a reply; the count is always whole
 REMEMBERED_IDS: Final = 4096  # resumed ids kept to refuse them as stale; older ones are forgotten
 

@@ -14,70 +14,29 @@ import hmac
 import json
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, Final
+from typing import Any, Final
 
 import h11
 import pydantic
 import trio
-from pydantic import BaseModel, ConfigDict, Field
 
-from trio_gym.config import describe_validation_error
-from trio_gym.errors import ErrorCode, WireError
+from trio_gym.errors import ErrorCode, WireError, describe_validation_error
 from trio_gym.http import HttpConnection, read_body, send_json
+from trio_gym.protocol.control import (
+    REQUESTS,
+    Commit,
+    Forget,
+    Prepare,
+    Renew,
+    Restore,
+    Resume,
+    Retire,
+    path,
+)
 
-from .checkpoint import MAX_LEASE_S
 from .state import Host
 
-PREFIX: Final = "/control/v1/checkpoint/"
 MAX_CONTROL_BODY: Final = 1024 * 1024
-
-CheckpointId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:-]+$")]
-Seconds = Annotated[float, Field(gt=0, le=MAX_LEASE_S, allow_inf_nan=False)]
-
-
-class Call(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    checkpoint_id: CheckpointId
-    deadline: Annotated[float, Field(allow_inf_nan=False)]
-
-
-class Prepare(Call):
-    lease_s: Seconds = 60.0
-
-
-class Renew(Call):
-    lease_s: Seconds = 60.0
-
-
-class Commit(Call):
-    directory: str
-    capture_keys: list[str] | None = None
-
-
-class Resume(Call):
-    pass
-
-
-class Restore(Call):
-    directory: str
-    capture_keys: list[str] | None = None
-    lease_s: Seconds = 60.0
-
-
-class RetireRollout(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    rollout_id: Annotated[str, Field(min_length=1)]
-    attempt: Annotated[int, Field(ge=0)]
-
-
-class Retire(Call):
-    rollouts: list[RetireRollout]
-
-
-class Forget(Call):
-    rollout_ids: list[str] | None = None
 
 
 def _absolute(directory: str) -> Path:
@@ -120,20 +79,20 @@ async def _forget(host: Host, call: Forget) -> dict[str, Any]:
     return host.checkpoints.forget(call.checkpoint_id, call.rollout_ids)
 
 
-Operation = tuple[type[Call], Callable[[Host, Any], Awaitable[dict[str, Any]]]]
+Operation = Callable[[Host, Any], Awaitable[dict[str, Any]]]
 OPERATIONS: Final[dict[str, Operation]] = {
-    "prepare": (Prepare, _prepare),
-    "renew": (Renew, _renew),
-    "commit": (Commit, _commit),
-    "resume": (Resume, _resume),
-    "restore": (Restore, _restore),
-    "retire": (Retire, _retire),
-    "forget": (Forget, _forget),
+    "prepare": _prepare,
+    "renew": _renew,
+    "commit": _commit,
+    "resume": _resume,
+    "restore": _restore,
+    "retire": _retire,
+    "forget": _forget,
 }
 
 
 def control_paths() -> list[str]:
-    return [f"{PREFIX}status", *(f"{PREFIX}{name}" for name in OPERATIONS)]
+    return [path("status"), *(path(name) for name in OPERATIONS)]
 
 
 def _authorize(host: Host, head: h11.Request) -> None:
@@ -163,7 +122,7 @@ async def answer_status(host: Host, conn: HttpConnection, head: h11.Request) -> 
 async def answer_operation(host: Host, conn: HttpConnection, head: h11.Request) -> None:
     _authorize(host, head)
     name = head.target.decode("ascii", "replace").partition("?")[0].rsplit("/", 1)[-1]
-    model, operation = OPERATIONS[name]
+    model, operation = REQUESTS[name], OPERATIONS[name]
     body = await read_body(
         conn, head, max_bytes=MAX_CONTROL_BODY, idle_timeout_s=host.limits.read_timeout_s
     )

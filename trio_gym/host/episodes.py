@@ -17,49 +17,16 @@ cancel scope that a checkpoint may cancel.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import trio
 
 from trio_gym.errors import ErrorCode, WireError
+from trio_gym.protocol.identity import EpisodeId
 from trio_gym.runners.base import ExampleContext, StepInterrupted, StepMode
 
 T = TypeVar("T")
-
-ROLLOUT_ID_KEY: Final = "_ng_rollout_id"
-ATTEMPT_KEY: Final = "_ng_attempt_index"
-TASK_KEY: Final = "_ng_task_index"
-ROLLOUT_KEY: Final = "_ng_rollout_index"
-
-
-@attrs.frozen
-class EpisodeId:
-    rollout_id: str
-    attempt: int
-
-    @property
-    def capture_key(self) -> str:
-        return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
-
-    @classmethod
-    def of(cls, example: Mapping[str, Any], assigned: str) -> EpisodeId:
-        """The example's identity; ``assigned`` is the rollout id when it carries none.
-
-        Raises ``ValueError`` for identity keys of the wrong type.
-        """
-        attempt = example.get(ATTEMPT_KEY, 0)
-        if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
-            raise ValueError(f"{ATTEMPT_KEY} must be a non-negative integer, not {attempt!r}")
-        rollout_id = example.get(ROLLOUT_ID_KEY)
-        if rollout_id is None:
-            task, rollout = example.get(TASK_KEY), example.get(ROLLOUT_KEY)
-            rollout_id = (
-                f"{task}-{rollout}" if task is not None and rollout is not None else assigned
-            )
-        if not isinstance(rollout_id, str) or not rollout_id:
-            raise ValueError(f"{ROLLOUT_ID_KEY} must be a non-empty string, not {rollout_id!r}")
-        return cls(rollout_id, attempt)
 
 
 @attrs.define(eq=False)

@@ -19,8 +19,7 @@ import pydantic
 import trio
 from pydantic import BaseModel, ConfigDict, Field
 
-from trio_gym.config import describe_validation_error
-from trio_gym.errors import ErrorCode, WireError, leaves
+from trio_gym.errors import ErrorCode, WireError, describe_validation_error, leaves
 from trio_gym.http import (
     ChunkedBody,
     ConnectionLost,
@@ -29,6 +28,7 @@ from trio_gym.http import (
     read_body,
     send_body,
 )
+from trio_gym.protocol.identity import EpisodeId
 from trio_gym.runners import Runner
 
 from .batch import (
@@ -40,7 +40,7 @@ from .batch import (
     coalesce,
     run_examples,
 )
-from .episodes import EpisodeId, LiveEpisode
+from .episodes import LiveEpisode
 from .rows import NDJSON, answer_with_rows
 from .state import Host, new_batch_id
 from .supervision import supervise

@@ -15,8 +15,9 @@ import trio
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import ConnectionLost, HttpConnection, read_request_head, send_empty, send_json
 from trio_gym.logs import log_event
+from trio_gym.protocol.control import path
 
-from .control import PREFIX, answer_operation, answer_status, control_paths
+from .control import answer_operation, answer_status, control_paths
 from .rollouts import answer_rollouts
 from .state import Host
 
@@ -43,7 +44,7 @@ async def _answer_options(host: Host, conn: HttpConnection, head: h11.Request) -
 ROUTES: Final[dict[str, dict[bytes, Handler]]] = {
     "/health": {b"GET": _answer_health, b"OPTIONS": _answer_options},
     "/rollouts/run": {b"POST": answer_rollouts, b"OPTIONS": _answer_options},
-    f"{PREFIX}status": {b"GET": answer_status},
+    path("status"): {b"GET": answer_status},
     **{path: {b"POST": answer_operation} for path in control_paths()[1:]},
     "*": {b"OPTIONS": _answer_options},  # the server as a whole (RFC 9110 §9.3.7)
 }

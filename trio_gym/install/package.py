@@ -26,7 +26,8 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
-from trio_gym.config import validation_problems, yaml_problem
+from trio_gym.config import yaml_problem
+from trio_gym.errors import validation_problems
 
 MANIFEST: Final = "nemo-environment.yaml"
 WHEELS_DIR: Final = "wheels"

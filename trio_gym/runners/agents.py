@@ -63,6 +63,7 @@ from trio_gym.http import (
     open_tcp,
 )
 from trio_gym.logs import log_event
+from trio_gym.protocol.identity import ATTEMPT_KEY
 from trio_gym.runners.base import ExampleContext
 
 from .deployment import (
@@ -77,7 +78,6 @@ from .deployment import (
 )
 from .records import (
     AGENT_REF_KEY,
-    ATTEMPT_KEY,
     ENVIRONMENT_SERVER_KEY,
     FAILURE_CLASS_KEY,
     FAILURE_MESSAGE_KEY,

@@ -36,7 +36,7 @@ import pydantic
 import trio
 from pydantic import BaseModel, ConfigDict, Field
 
-from trio_gym.config import describe_validation_error
+from trio_gym.errors import describe_validation_error
 from trio_gym.runners.base import ExampleContext, StepInterrupted
 
 DAY_START: Final = 9 * 60  # minutes after midnight

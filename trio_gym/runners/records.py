@@ -19,6 +19,14 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from trio_gym.errors import readable_body
+from trio_gym.protocol.identity import (
+    ATTEMPT_KEY,
+    ROLLOUT_ID_KEY,
+    ROLLOUT_KEY,
+    TASK_KEY,
+    attempt_of,
+    rollout_id_of,
+)
 
 from .deployment import ENVIRONMENT_KEY, AgentError, Server
 
@@ -30,10 +38,6 @@ FAILURE_CLASS_KEY: Final = "_ng_failure_class"
 FAILURE_TERMINAL_KEY: Final = "_ng_failure_terminal"
 FAILURE_MESSAGE_KEY: Final = "_ng_failure_message"
 TASK_ID_KEY: Final = "_ng_task_id"
-ROLLOUT_ID_KEY: Final = "_ng_rollout_id"
-ATTEMPT_KEY: Final = "_ng_attempt_index"
-TASK_INDEX_KEY: Final = "_ng_task_index"
-ROLLOUT_INDEX_KEY: Final = "_ng_rollout_index"
 # Copied from the row onto its record, as Gym's collection copies them.
 ROW_KEYS_ON_RECORDS: Final = (
     AGENT_REF_KEY,
@@ -89,20 +93,14 @@ def episode_request(row: Mapping[str, Any]) -> dict[str, Any]:
 
     Raises ``ValueError`` for a row without an identity to name its episode by.
     """
-    rollout_id = row.get(ROLLOUT_ID_KEY)
+    rollout_id = rollout_id_of(row)
     if rollout_id is None:
-        task, rollout = row.get(TASK_INDEX_KEY), row.get(ROLLOUT_INDEX_KEY)
-        if task is None or rollout is None:
-            raise ValueError(
-                f"a taskset row needs {ROLLOUT_ID_KEY}, or {TASK_INDEX_KEY} and "
-                f"{ROLLOUT_INDEX_KEY}, to name its episode"
-            )
-        rollout_id = f"{task}-{rollout}"
-    attempt = row.get(ATTEMPT_KEY, 0)
-    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 0:
-        raise ValueError(f"{ATTEMPT_KEY} must be a non-negative integer, not {attempt!r}")
+        raise ValueError(
+            f"a taskset row needs {ROLLOUT_ID_KEY}, or {TASK_KEY} and {ROLLOUT_KEY}, to name "
+            "its episode"
+        )
     return {
-        "episode_id": {"rollout_id": rollout_id, "attempt": attempt},
+        "episode_id": {"rollout_id": rollout_id, "attempt": attempt_of(row)},
         "task": {"task_id": row["task_id"], "task_input": row["task_input"]},
     }
 

@@ -25,6 +25,7 @@ from trio_gym.http import (
     exchange,
     open_tcp,
 )
+from trio_gym.protocol.control import REQUESTS, RetireRollout, path
 
 REPLY_GRACE_S: Final = 5.0
 
@@ -128,7 +129,7 @@ class HostControl:
     async def retire(
         self, checkpoint_id: str, rollouts: Sequence[tuple[str, int]], *, timeout_s: float
     ) -> dict[str, Any]:
-        listed = [{"rollout_id": rid, "attempt": attempt} for rid, attempt in rollouts]
+        listed = [RetireRollout.model_construct(rollout_id=r, attempt=a) for r, a in rollouts]
         return await self._op("retire", checkpoint_id, timeout_s, rollouts=listed)
 
     async def forget(
@@ -140,8 +141,12 @@ class HostControl:
     async def _op(
         self, name: str, checkpoint_id: str, timeout_s: float, **fields: Any
     ) -> dict[str, Any]:
-        body = {"checkpoint_id": checkpoint_id, "deadline": self._wall_time() + timeout_s, **fields}
-        return await self._call("POST", name, body, timeout_s)
+        # Built from the protocol's request model, unvalidated: what the host makes of the
+        # values (a lease too long, say) is its answer to give, as a refusal.
+        request = REQUESTS[name].model_construct(
+            checkpoint_id=checkpoint_id, deadline=self._wall_time() + timeout_s, **fields
+        )
+        return await self._call("POST", name, request.model_dump(), timeout_s)
 
     async def _call(
         self, method: str, name: str, body: dict[str, Any] | None, timeout_s: float
@@ -152,7 +157,7 @@ class HostControl:
                 response = await exchange(
                     self.endpoint,
                     method,
-                    f"/control/v1/checkpoint/{name}",
+                    path(name),
                     payload,
                     limits=self._limits,
                     max_response_bytes=64 * 1024 * 1024,

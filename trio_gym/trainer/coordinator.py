@@ -31,20 +31,21 @@ import os
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import trio
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from trio_gym.config import describe_validation_error
-from trio_gym.errors import WireError
-from trio_gym.host.export import ManifestParticipant, read_export
+from trio_gym.errors import WireError, describe_validation_error
 from trio_gym.logs import log_event
+from trio_gym.protocol.control import HOST_PARTICIPANT, CommitReply
+from trio_gym.protocol.export import read_export
+from trio_gym.protocol.identity import capture_key
 from trio_gym.trainer.control import REPLY_GRACE_S, ControlError
 from trio_gym.trainer.dispatch import Dispatcher
 from trio_gym.trainer.drain import DrainTimeout, drain
-from trio_gym.trainer.ledger import AttemptState, Ledger, LedgerError, capture_key
+from trio_gym.trainer.ledger import AttemptState, Ledger, LedgerError
 from trio_gym.trainer.manifest import (
     MANIFEST_FORMAT,
     CheckpointManifest,
@@ -56,7 +57,6 @@ from trio_gym.trainer.manifest import (
 )
 
 T = TypeVar("T")
-HOST_PARTICIPANT: Final = ("host", "episodes")
 
 
 class _PicklableError(Exception):
@@ -277,7 +277,7 @@ class CheckpointCoordinator:
             checkpoint_id, str(export_directory), timeout_s=self.settings.control_timeout_s
         )
         try:
-            parsed = _CommitReply.model_validate(reply)
+            parsed = CommitReply.model_validate(reply)
         except ValidationError as exc:
             raise CheckpointAborted(
                 f"{host}'s commit reply does not fit the contract: "
@@ -616,24 +616,6 @@ class CheckpointCoordinator:
             await control.resume(restore_id, timeout_s=timeout)
 
         await self._every_host_regardless(undo, calls=2, event="restore_undo_failed")
-
-
-class _CommittedParticipant(ManifestParticipant):
-    """A participant as the host's commit reply names it: its state where the host wrote it."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    state_directory: str = Field(min_length=1)
-    capture_keys: list[str]
-
-
-class _CommitReply(BaseModel):
-    """What the trainer relies on in a host's commit reply (other fields may follow)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
-
-    capture_keys: list[str]
-    participants: list[_CommittedParticipant]
 
 
 @attrs.define

@@ -41,6 +41,7 @@ import trio
 
 from trio_gym.http import ConnectFailed
 from trio_gym.logs import log_event
+from trio_gym.protocol.identity import ATTEMPT_KEY, ROLLOUT_ID_KEY
 from trio_gym.trainer.client import ClientSettings, RolloutClient
 from trio_gym.trainer.control import ControlError, HostControl
 from trio_gym.trainer.deadlines import DeadlineRegistry
@@ -252,8 +253,8 @@ class Dispatcher:
         payload = [
             {
                 **examples[self.ledger.sibling_of(key).index],
-                "_ng_rollout_id": attempt.rollout_id,
-                "_ng_attempt_index": attempt.number,
+                ROLLOUT_ID_KEY: attempt.rollout_id,
+                ATTEMPT_KEY: attempt.number,
             }
             for key, attempt in zip(keys, attempts, strict=True)
         ]

@@ -34,7 +34,8 @@ import attrs
 import trio
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from trio_gym.config import describe_validation_error
+from trio_gym.errors import describe_validation_error
+from trio_gym.protocol.identity import capture_key
 
 LEDGER_VERSION: Final = 1
 
@@ -48,10 +49,6 @@ class AttemptState(enum.Enum):
 
 class LedgerError(Exception):
     """A move the state table does not allow, or a ledger that cannot be loaded as it is."""
-
-
-def capture_key(rollout_id: str, attempt: int) -> str:
-    return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
 
 
 @attrs.define

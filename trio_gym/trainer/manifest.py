@@ -19,8 +19,8 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from trio_gym.config import describe_validation_error
-from trio_gym.host.export import ManifestParticipant
+from trio_gym.errors import describe_validation_error
+from trio_gym.protocol.export import ManifestParticipant
 
 MANIFEST_NAME: Final = "gym_checkpoint.json"
 MANIFEST_FORMAT: Final = "trio-gym-trainer-checkpoint-v1"

@@ -26,8 +26,7 @@ import attrs
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from trio_gym.config import describe_validation_error
-from trio_gym.errors import ErrorCode, WireError
+from trio_gym.errors import ErrorCode, WireError, describe_validation_error
 from trio_gym.http import encode_json
 
 FORMAT: Final = "trio-gym-export-v1"  # also ManifestHead.format
