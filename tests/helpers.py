@@ -10,9 +10,10 @@ from typing import Any
 import attrs
 import h11
 import trio
+import trio.testing
 
 from trio_gym.config import ServeConfig
-from trio_gym.host import Host, serve
+from trio_gym.host import Host, handle_connection, serve
 from trio_gym.runners import ExampleContext, ExampleRunner, Runner
 
 
@@ -198,3 +199,17 @@ async def tcp_exchange(port: int, request: bytes, **kwargs: Any) -> Reply:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     async with stream:
         return await exchange(stream, request, **kwargs)
+
+
+URL = "http://sandbox.invalid:8080"
+
+
+def in_memory(nursery: trio.Nursery, host: Host) -> Any:
+    """An opener that connects the client to ``host`` over memory streams (virtual time)."""
+
+    async def open_stream(endpoint: Any) -> trio.abc.Stream:
+        client, server = trio.testing.memory_stream_pair()
+        nursery.start_soon(handle_connection, host, server)
+        return client
+
+    return open_stream

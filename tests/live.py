@@ -8,8 +8,8 @@ from contextlib import AsyncExitStack, asynccontextmanager
 import attrs
 import trio
 
+from tests.processes import LogReader, serve_process
 from tests.stalling_proxy import StallingProxy
-from tests.test_cli import LogReader, serve_process
 from trio_gym.trainer.control import HostControl
 
 TOKEN = "coordinator-test-token"

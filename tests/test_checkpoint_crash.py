@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import trio
 
-from tests.test_cli import LogReader, serve_process
+from tests.processes import LogReader, serve_process
 from trio_gym.protocol.export import read_export
 from trio_gym.runners import ExampleContext, ExampleRunner
 from trio_gym.trainer import RolloutClient, RolloutError

@@ -15,9 +15,8 @@ from typing import Any
 import pytest
 import trio
 
-from tests.helpers import exchange, request_bytes
-from tests.test_checkpoint import TOKEN, episode, rig, wall
-from tests.test_client import in_memory
+from tests.checkpoint_rig import TOKEN, episode, rig, wall
+from tests.helpers import exchange, in_memory, request_bytes
 from trio_gym.config import ServeConfig
 from trio_gym.errors import WireError
 from trio_gym.host import Host

@@ -2,72 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import trio
 
 from tests.helpers import read_reply, request_bytes, tcp_exchange
+from tests.processes import LogReader, serve_process
 
 HANG_GUARD_S = 60
-
-
-class LogReader:
-    """Reads a subprocess's JSON-lines stderr, one event at a time."""
-
-    def __init__(self, stream: trio.abc.ReceiveStream) -> None:
-        self.stream = stream
-        self.buffer = b""
-        self.events: list[dict[str, Any]] = []
-
-    async def next_event(self) -> dict[str, Any] | None:
-        while b"\n" not in self.buffer:
-            data = await self.stream.receive_some(65536)
-            if not data:
-                return None
-            self.buffer += data
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        event: dict[str, Any] = json.loads(line)
-        self.events.append(event)
-        return event
-
-    async def wait_for(self, name: str) -> dict[str, Any]:
-        while True:
-            event = await self.next_event()
-            assert event is not None, f"stderr ended before {name!r}: {self.events}"
-            if event["event"] == name:
-                return event
-
-
-@asynccontextmanager
-async def serve_process(
-    *args: str, env: dict[str, str] | None = None
-) -> AsyncIterator[tuple[trio.Process, LogReader, int]]:
-    process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "trio_gym", "serve", "--port", "0", *args],
-        stderr=subprocess.PIPE,
-        env={**os.environ, **(env or {})},
-    )
-    try:
-        assert process.stderr is not None
-        logs = LogReader(process.stderr)
-        with trio.fail_after(HANG_GUARD_S):
-            port = (await logs.wait_for("listening"))["port"]
-            await logs.wait_for("ready")
-        yield process, logs, port
-    finally:
-        if process.returncode is None:
-            process.kill()
-        await process.wait()
 
 
 async def test_serve_honours_nmp_variables_and_answers_a_batch() -> None:

@@ -15,25 +15,13 @@ import trio.testing
 
 from tests.canned import CannedHost, chunked_response, hang_up, json_response, respond, stall
 from tests.framing_proxy import FramingProxy
-from tests.helpers import CountingRunner, running_host
-from tests.test_cli import serve_process
+from tests.helpers import URL, CountingRunner, in_memory, running_host
+from tests.processes import serve_process
 from trio_gym.config import ServeConfig
-from trio_gym.host import Host, handle_connection
+from trio_gym.host import Host
 from trio_gym.trainer import ClientSettings, Origin, RolloutClient, RolloutError, decode_response
 
-URL = "http://sandbox.invalid:8080"
 HANG_GUARD_S = 60
-
-
-def in_memory(nursery: trio.Nursery, host: Host) -> Any:
-    """An opener that connects the client to ``host`` over memory streams (virtual time)."""
-
-    async def open_stream(endpoint: Any) -> trio.abc.Stream:
-        client, server = trio.testing.memory_stream_pair()
-        nursery.start_soon(handle_connection, host, server)
-        return client
-
-    return open_stream
 
 
 class RecordingProgress:

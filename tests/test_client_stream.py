@@ -8,8 +8,7 @@ import pytest
 import trio
 
 from tests.canned import CannedHost, chunked_response, respond
-from tests.helpers import CountingRunner
-from tests.test_client import URL, in_memory
+from tests.helpers import URL, CountingRunner, in_memory
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
 from trio_gym.trainer import ClientSettings, Origin, RolloutClient, RolloutError, Row, StreamSummary

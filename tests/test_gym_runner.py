@@ -22,8 +22,7 @@ import trio
 
 from tests.helpers import request_bytes, running_host, tcp_exchange
 from tests.packages import native_package
-from tests.processes import processes_with
-from tests.test_cli import LogReader, serve_process
+from tests.processes import LogReader, processes_with, serve_process
 from trio_gym.config import ServeConfig, load_serve_config
 from trio_gym.host import Host
 from trio_gym.host.state import Failed

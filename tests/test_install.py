@@ -20,7 +20,7 @@ import trio
 
 from tests.helpers import request_bytes, tcp_exchange
 from tests.packages import native_package, wheels_package
-from tests.test_cli import LogReader
+from tests.processes import LogReader
 from trio_gym.config import ServeConfig
 from trio_gym.install import InstallError, install_environment
 from trio_gym.install.stage import SITE_PACKAGES, find_uv

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from tests.helpers import request_bytes, tcp_exchange
-from tests.test_cli import LogReader
+from tests.processes import LogReader
 
 LAUNCHER = Path(__file__).resolve().parent.parent / "scripts" / "gym_host.sh"
 HANG_GUARD_S = 60
