@@ -466,7 +466,7 @@ MUTATIONS = [
     Mutation(
         "retire runs while a checkpoint is open",
         "trio_gym/host/checkpoint.py",
-        "        if self.phase not in (Phase.IDLE, Phase.RESTORED):",
+        "        if self.phase not in (CheckpointPhase.IDLE, CheckpointPhase.RESTORED):",
         "        if False:",
         (
             "tests/test_checkpoint.py::test_retire_is_refused_during_a_checkpoint_and_stale_until_forget",

@@ -48,7 +48,7 @@ SAMPLE: Final = 16  # blockers and restarts listed by name in a reply; the count
 REMEMBERED_IDS: Final = 4096  # resumed ids kept to refuse them as stale; older ones are forgotten
 
 
-class Phase(enum.StrEnum):
+class CheckpointPhase(enum.StrEnum):
     IDLE = "idle"
     PREPARING = "preparing"
     PREPARED = "prepared"
@@ -74,7 +74,7 @@ class Checkpoints:
         self.episodes = episodes
         self._participant = participant
         self._wall_time = wall_time
-        self.phase = Phase.IDLE
+        self.phase = CheckpointPhase.IDLE
         self.checkpoint_id: str | None = None
         self.lease_until: float | None = None
         self._replies: dict[tuple[str, str], dict[str, Any]] = {}
@@ -195,11 +195,11 @@ class Checkpoints:
         self._check_id(checkpoint_id)
         if replay := self._replies.get(("prepare", checkpoint_id)):
             return replay
-        if self.phase is Phase.IDLE:
-            self.phase, self.checkpoint_id = Phase.PREPARING, checkpoint_id
+        if self.phase is CheckpointPhase.IDLE:
+            self.phase, self.checkpoint_id = CheckpointPhase.PREPARING, checkpoint_id
             self.episodes.start_parking()
             log_event("checkpoint_preparing", checkpoint_id=checkpoint_id)
-        elif self.phase is not Phase.PREPARING:
+        elif self.phase is not CheckpointPhase.PREPARING:
             raise self._wrong_phase("prepare", "idle")
         call_deadline = self.trio_deadline(deadline)
         # A caller waiting on this call is alive: the lease runs from the call's deadline
@@ -207,7 +207,7 @@ class Checkpoints:
         waiting = min(max(call_deadline - trio.current_time(), 0), MAX_LEASE_S)
         self._set_lease(waiting + lease_s)
         with trio.move_on_at(call_deadline):
-            while self.episodes.blockers() and self.phase is Phase.PREPARING:
+            while self.episodes.blockers() and self.phase is CheckpointPhase.PREPARING:
                 await self.episodes.wait_for_change()
         if self.checkpoint_id != checkpoint_id:  # resumed (or lease lost) while waiting
             raise WireError(
@@ -215,7 +215,7 @@ class Checkpoints:
             )
         blockers = [live.id.capture_key for live in self.episodes.blockers()]
         reply: dict[str, Any] = {
-            "phase": Phase.PREPARING.value,
+            "phase": CheckpointPhase.PREPARING.value,
             "checkpoint_id": checkpoint_id,
             "admission": "closed",
             "parked": _sample(live.id.capture_key for live in self.episodes.parked()),
@@ -224,8 +224,8 @@ class Checkpoints:
             "lease_expires_at": self.wall(self.lease_until or 0),
         }
         if not blockers:
-            self.phase = Phase.PREPARED
-            reply["phase"] = Phase.PREPARED.value
+            self.phase = CheckpointPhase.PREPARED
+            reply["phase"] = CheckpointPhase.PREPARED.value
             self._replies[("prepare", checkpoint_id)] = reply
             log_event("checkpoint_prepared", checkpoint_id=checkpoint_id, parked=reply["parked"])
         return reply
@@ -263,7 +263,7 @@ class Checkpoints:
                 f"checkpoint {checkpoint_id} is being committed by an earlier call; retry for "
                 "its reply",
             )
-        if self.phase is not Phase.PREPARED:
+        if self.phase is not CheckpointPhase.PREPARED:
             raise self._wrong_phase("commit", "prepared")
         if capture_keys is not None and len(set(capture_keys)) != len(capture_keys):
             raise WireError(ErrorCode.INVALID_REQUEST, "capture_keys lists a key twice")
@@ -307,9 +307,9 @@ class Checkpoints:
             raise WireError(
                 ErrorCode.DEADLINE_EXCEEDED, "the export did not finish before the call's deadline"
             )
-        self.phase = Phase.COMMITTED
+        self.phase = CheckpointPhase.COMMITTED
         reply = {
-            "phase": Phase.COMMITTED.value,
+            "phase": CheckpointPhase.COMMITTED.value,
             "checkpoint_id": checkpoint_id,
             "directory": str(directory),
             "manifest": str(path),
@@ -339,10 +339,14 @@ class Checkpoints:
         self.episodes.release(reopen=True)
         for key in [key for key in self._replies if key[1] == checkpoint_id]:
             del self._replies[key]  # only the resume is remembered of a finished checkpoint
-        self.phase, self.checkpoint_id, self.lease_until = Phase.IDLE, None, None
+        self.phase, self.checkpoint_id, self.lease_until = CheckpointPhase.IDLE, None, None
         self._lease_changed.set()
         self._lease_changed = trio.Event()
-        reply = {"phase": Phase.IDLE.value, "checkpoint_id": checkpoint_id, "admission": "open"}
+        reply = {
+            "phase": CheckpointPhase.IDLE.value,
+            "checkpoint_id": checkpoint_id,
+            "admission": "open",
+        }
         self._resumed[checkpoint_id] = reply
         while len(self._resumed) > REMEMBERED_IDS:
             self._resumed.popitem(last=False)
@@ -359,7 +363,7 @@ class Checkpoints:
         self._check_id(checkpoint_id)
         if replay := self._replies.get(("restore", checkpoint_id)):
             return replay
-        if self.phase is not Phase.IDLE:
+        if self.phase is not CheckpointPhase.IDLE:
             raise self._wrong_phase("restore", "idle")
         # Read, checked and installed on the trio thread with no await: nothing else can
         # change the phase in between.
@@ -409,10 +413,10 @@ class Checkpoints:
             participant.restore_records(records, renames)
         self.episodes.install(restored)
         self.episodes.close_admission()
-        self.phase, self.checkpoint_id = Phase.RESTORED, checkpoint_id
+        self.phase, self.checkpoint_id = CheckpointPhase.RESTORED, checkpoint_id
         self._set_lease(lease_s)
         reply = {
-            "phase": Phase.RESTORED.value,
+            "phase": CheckpointPhase.RESTORED.value,
             "checkpoint_id": checkpoint_id,
             "admission": "closed",
             "source_checkpoint_id": export.manifest.get("checkpoint_id"),
@@ -433,7 +437,7 @@ class Checkpoints:
     def _check_idle_or_restored(self, operation: str, checkpoint_id: str) -> None:
         """retire and forget run only outside an open checkpoint; while restored, under the
         restore's id (a trainer retires what a failed restore left, then resumes)."""
-        if self.phase not in (Phase.IDLE, Phase.RESTORED):
+        if self.phase not in (CheckpointPhase.IDLE, CheckpointPhase.RESTORED):
             raise self._wrong_phase(operation, "idle or restored (not while a checkpoint is open)")
         self._check_no_conflict(checkpoint_id)
 

@@ -47,7 +47,7 @@ class Failed:
     message: str
 
 
-Phase = Starting | Ready | Failed
+StartupPhase = Starting | Ready | Failed
 
 
 @attrs.frozen
@@ -122,7 +122,7 @@ class Host:
             drain_timeout_s=REFUSAL_TIMEOUT_S,
         )
         self._runner = runner
-        self._phase: Phase = Ready() if runner is not None else Starting("starting")
+        self._phase: StartupPhase = Ready() if runner is not None else Starting("starting")
         self._phase_changed = trio.Event()
         self.settled = trio.Event()
         """Set once start-up ended, ready or failed."""
@@ -142,12 +142,12 @@ class Host:
             self.settled.set()
 
     @property
-    def phase(self) -> Phase:
+    def phase(self) -> StartupPhase:
         """Where start-up is: starting (a stage, maybe what it waits for), ready, or failed."""
         return self._phase
 
     @phase.setter
-    def phase(self, phase: Phase) -> None:
+    def phase(self, phase: StartupPhase) -> None:
         """Failed is final: once start-up has failed (or the runner was lost), nothing that was
         still under way — a stage that had not noticed, a second failure — replaces the first
         cause, which is the one an orchestrator needs to read."""
@@ -157,7 +157,7 @@ class Host:
         self._phase_changed.set()
         self._phase_changed = trio.Event()
 
-    async def wait_for_phase(self, predicate: Callable[[Phase], bool]) -> Phase:
+    async def wait_for_phase(self, predicate: Callable[[StartupPhase], bool]) -> StartupPhase:
         """Sleep until ``predicate(phase)`` holds (woken by every change); return the phase."""
         while not predicate(self._phase):
             await self._phase_changed.wait()
