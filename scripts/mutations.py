@@ -260,7 +260,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a flat proxy envelope read as the host's",
-        "trio_gym/trainer/errors.py",
+        "trio_gym/trainer/answers.py",
         'if isinstance(document, dict) and {"code", "message"} <= set(document):',
         "if False:",
         ("tests/test_client.py::test_each_failure_is_attributed",),
@@ -725,6 +725,23 @@ MUTATIONS = [
         "            pass",
         (
             "tests/test_proxy_regression.py::test_a_long_batch_arrives_whole_through_the_framing_proxy",
+            "tests/test_host_clock.py::test_heartbeat_cadence_over_a_30_minute_batch",
+        ),
+    ),
+    Mutation(
+        "a batch paces its heartbeats itself even when the host's pacer runs (#15)",
+        "trio_gym/host/supervision.py",
+        "                if not pacer.running:",
+        "                if True:",
+        ("tests/test_host_clock.py::test_heartbeats_ride_the_hosts_pacer_or_one_the_batch_owns",),
+    ),
+    Mutation(
+        "a stream that must be awaited is served, and its heartbeats are never written (#15)",
+        "trio_gym/host/server.py",
+        "    if not isinstance(stream, trio.SocketStream | WritesWithoutWaiting):",
+        "    if False:",
+        (
+            "tests/test_host_clock.py::test_a_stream_that_cannot_be_written_without_waiting_is_refused",
         ),
     ),
     Mutation(

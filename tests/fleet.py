@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from tests.helpers import CountingRunner
+from tests.streams import socket_like_pair
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
 from trio_gym.runners import ExampleContext, ExampleRunner, Runner
@@ -155,7 +156,7 @@ def _opener(
 ) -> Any:
     async def open_stream(endpoint: Any) -> trio.abc.Stream:
         opened.append(trio.current_time())
-        trainer_end, host_end = trio.testing.memory_stream_pair()
+        trainer_end, host_end = socket_like_pair()
         nursery.start_soon(handle_connection, host, host_end)
         cut = trio.Event()
         cuts.append(cut)

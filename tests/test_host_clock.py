@@ -14,6 +14,7 @@ import trio
 import trio.testing
 
 from tests.helpers import CountingRunner, exchange, read_reply, request_bytes
+from tests.streams import SocketLikeStream, socket_like_pair
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
 
@@ -22,8 +23,8 @@ def make_host(runner: CountingRunner, **overrides: Any) -> Host:
     return Host(ServeConfig(port=0, **overrides), runner=runner)
 
 
-def open_connection(nursery: trio.Nursery, host: Host) -> trio.StapledStream[Any, Any]:
-    client, server = trio.testing.memory_stream_pair()
+def open_connection(nursery: trio.Nursery, host: Host) -> SocketLikeStream:
+    client, server = socket_like_pair()
     nursery.start_soon(handle_connection, host, server)
     return client
 
@@ -55,6 +56,38 @@ async def test_heartbeat_cadence_over_a_30_minute_batch(autojump_clock: trio.abc
     document = json.loads(reply.body)  # heartbeats plus the document: one JSON value
     assert [result["seed"] for result in document["results"]] == [0, 1]
     assert len(runner.completed) == 2 and not runner.cancelled
+
+
+@pytest.mark.parametrize("served", [True, False], ids=["host-pacer", "batch-pacer"])
+async def test_heartbeats_ride_the_hosts_pacer_or_one_the_batch_owns(
+    autojump_clock: trio.abc.Clock, served: bool
+) -> None:
+    host = make_host(CountingRunner(), heartbeat_interval_s=10)
+    on_host_pacer: list[float] = []
+    start_every = host.pacer.start_every
+
+    def record(interval_s: float, call: Any) -> Any:
+        on_host_pacer.append(interval_s)
+        return start_every(interval_s, call)
+
+    host.pacer.start_every = record  # type: ignore[method-assign]
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        if served:  # as serve runs it, for every connection of the host
+            await nursery.start(host.pacer.run)
+        client = open_connection(nursery, host)
+        reply = await exchange(client, request_bytes(episodes(1, meetings=2, think_s=24)))
+        nursery.cancel_scope.cancel()
+    assert [at - start for at in reply.heartbeat_times] == [10, 20, 30, 40]
+    assert on_host_pacer == ([10] if served else [])
+
+
+async def test_a_stream_that_cannot_be_written_without_waiting_is_refused(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    _, server = trio.testing.memory_stream_pair()
+    with pytest.raises(TypeError, match="without waiting"):
+        await handle_connection(make_host(CountingRunner()), server)
 
 
 async def test_deadline_cancels_every_running_example(autojump_clock: trio.abc.Clock) -> None:
@@ -169,7 +202,7 @@ async def test_caller_that_stops_reading_is_given_up_and_its_examples_cancelled(
 ) -> None:
     runner = CountingRunner()
     host = make_host(runner, heartbeat_interval_s=15, send_timeout_s=60)
-    client, server = trio.testing.lockstep_stream_pair()
+    client, server = socket_like_pair(capacity=0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(handle_connection, host, server)
         await client.send_all(request_bytes(episodes(2, meetings=6, think_s=300)))

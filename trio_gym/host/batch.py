@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import secrets
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
@@ -50,13 +51,18 @@ TRANSITIONS: Final[dict[BatchState, frozenset[BatchState]]] = {
 }
 
 
+def new_batch_id() -> str:
+    """Random, so log lines of different host processes never share a batch id."""
+    return secrets.token_hex(6)
+
+
 @attrs.define
 class Batch:
     """A batch's identity and lifecycle; every transition is checked and logged (``answering``
     at debug level: it is on every successful batch's way to ``done``, a line for nothing)."""
 
-    id: str
-    size: int
+    id: str = attrs.field(factory=new_batch_id)
+    size: int = 0
     """Examples in it (known once the body is parsed)."""
     state: BatchState = BatchState.ACCEPTED
     accepted_at: float = attrs.field(factory=trio.current_time)

@@ -65,9 +65,10 @@ class Pacer:
             return
         self._push(now + beat.interval_s, beat)
 
-    async def run(self) -> None:
-        """Call beats when they are due, for as long as it runs."""
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Call beats when they are due, for as long as it runs (started: beats may be added)."""
         self._running = True
+        task_status.started()
         try:
             while True:
                 self._earlier = trio.Event()

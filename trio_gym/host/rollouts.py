@@ -42,7 +42,7 @@ from .batch import (
 )
 from .episodes import LiveEpisode
 from .rows import NDJSON, answer_with_rows
-from .state import Host, new_batch_id
+from .state import Host
 from .supervision import supervise
 
 JSON: Final = "application/json"
@@ -185,7 +185,7 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
         min_rate=host.limits.min_body_rate,
         advice=TOO_LARGE_ADVICE,
     )
-    batch = Batch(new_batch_id(), 0)
+    batch = Batch()
     validate = partial(
         validate_batch,
         body,

@@ -13,7 +13,14 @@ import h11
 import trio
 
 from trio_gym.errors import ErrorCode, WireError
-from trio_gym.http import ConnectionLost, HttpConnection, read_request_head, send_empty, send_json
+from trio_gym.http import (
+    ConnectionLost,
+    HttpConnection,
+    WritesWithoutWaiting,
+    read_request_head,
+    send_empty,
+    send_json,
+)
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import path
 
@@ -132,7 +139,16 @@ async def handle_connection(host: Host, stream: trio.abc.Stream) -> None:
     so a flood of sockets costs neither memory nor time. Never raises (but ``Cancelled``):
     whatever a caller sends, the server outlives it. A bug surfacing here is logged with its
     traceback, and answered 500 if no answer has started.
+
+    ``stream`` is a ``trio.SocketStream`` or a stream that
+    :class:`~trio_gym.http.WritesWithoutWaiting`: heartbeats are written without waiting, one
+    system call each. Any other stream is a bug of the embedder (``TypeError``, before a byte).
     """
+    if not isinstance(stream, trio.SocketStream | WritesWithoutWaiting):
+        raise TypeError(
+            f"the host writes heartbeats without waiting and cannot do so on a "
+            f"{type(stream).__name__}; serve a trio.SocketStream (or a WritesWithoutWaiting)"
+        )
     admission = host.admit_connection()
     if admission is None:
         log_event("connection_dropped", reason="the connection cap and its overflow are full")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import secrets
 import time
 from collections.abc import Callable
 from functools import partial
@@ -335,8 +334,3 @@ class Host:
         if self.phase.detail:
             starting["detail"] = self.phase.detail
         return 503, starting
-
-
-def new_batch_id() -> str:
-    """Random, so log lines of different host processes never share a batch id."""
-    return secrets.token_hex(6)

@@ -27,7 +27,7 @@ import trio
 from trio_gym.errors import ErrorCode, WireError, leaves
 from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection
 
-from .pacer import Beat
+from .pacer import Beat, Pacer
 from .state import Host
 
 # Two probe writes this far apart tell a half-closed caller from a departed one when the round
@@ -62,12 +62,14 @@ async def supervise(
             nursery.start_soon(_watch_caller, conn, body, heartbeat)
             pacing: Beat | None = None
             if body is not None:
-                interval = host.config.heartbeat_interval_s
-                if host.pacer.running and body.can_send_nowait:
-                    beat = _Heartbeat(body, heartbeat, nursery.cancel_scope)
-                    pacing = host.pacer.start_every(interval, beat)
-                else:  # no pacer (a host driven without serve), or a stream that must be awaited
-                    nursery.start_soon(_send_heartbeats, body, heartbeat, interval)
+                pacer = host.pacer
+                if not pacer.running:
+                    # A host driven without serve (embedded, or a test): the batch owns a
+                    # pacer of its own, so heartbeats take the same road either way.
+                    pacer = Pacer()
+                    await nursery.start(pacer.run)
+                beat = _Heartbeat(body, heartbeat, nursery.cancel_scope)
+                pacing = pacer.start_every(host.config.heartbeat_interval_s, beat)
             host.cancel_on_shutdown(examples_scope)
             # Tracked so that time spent in a checkpoint does not count against the deadline.
             host.checkpoints.track_batch(batch_id, examples_scope)
@@ -117,12 +119,6 @@ class _Heartbeat:
         except ConnectionLost as exc:
             self.lost = exc
             self.batch.cancel()
-
-
-async def _send_heartbeats(body: ChunkedBody, heartbeat: bytes, interval_s: float) -> None:
-    while True:
-        await trio.sleep(interval_s)
-        await body.send(heartbeat)
 
 
 async def _watch_caller(conn: HttpConnection, body: ChunkedBody | None, heartbeat: bytes) -> None:

@@ -16,7 +16,7 @@ from trio_gym.http.client import (
     open_tcp,
     read_response_head,
 )
-from trio_gym.http.connection import ConnectionLost, HttpConnection
+from trio_gym.http.connection import ConnectionLost, HttpConnection, WritesWithoutWaiting
 from trio_gym.http.limits import HttpLimits
 from trio_gym.http.messages import (
     ChunkedBody,
@@ -41,6 +41,7 @@ __all__ = [
     "NoResponse",
     "Response",
     "StreamOpener",
+    "WritesWithoutWaiting",
     "declared_length",
     "encode_json",
     "exchange",

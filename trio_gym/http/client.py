@@ -103,7 +103,8 @@ class Response:
 class ClientExchange:
     """One request and its response on a connection of its own; an async context manager.
 
-    ``async with ClientExchange.open(...) as exchange:`` connects (``NoResponse`` if it cannot),
+    ``async with await ClientExchange.open(...) as exchange:`` — ``open`` connects and is
+    awaited first (``NoResponse`` if it cannot), then the block owns the connection;
     :meth:`send` uploads the request and returns the response head, :meth:`read_body` or
     :meth:`next_data` read the body. Leaving the block closes the connection at once, which a
     peer serving the request sees as the caller leaving.

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Final
+from collections.abc import Callable
+from typing import Final, Protocol, runtime_checkable
 
 import h11
 import trio
@@ -30,6 +31,28 @@ class ConnectionLost(Exception):
     """
 
 
+@runtime_checkable
+class WritesWithoutWaiting(Protocol):
+    """A stream that can hand bytes to its transport without waiting, as a socket's
+    non-blocking write does: :meth:`write_nowait` takes what fits now and says how much (0 when
+    full), and raises ``trio.BrokenResourceError`` once the peer is gone. ``trio.SocketStream``
+    is written this way directly; another stream opts in by having the method (the in-memory
+    streams of the virtual-clock tests do, so their heartbeats take production's road)."""
+
+    def write_nowait(self, data: bytes) -> int: ...
+
+
+def _nowait_writer(stream: trio.abc.Stream) -> Callable[[bytes], int] | None:
+    if isinstance(stream, trio.SocketStream):
+        socket = stream.socket
+        # fileno() at each write, never kept: after a close it is -1 (a clean EBADF), where a
+        # kept number could by then belong to another file.
+        return lambda data: os.write(socket.fileno(), data)
+    if isinstance(stream, WritesWithoutWaiting):
+        return stream.write_nowait
+    return None
+
+
 class HttpConnection:
     """An HTTP/1.x exchange over ``stream``, as ``role`` (``h11.CLIENT`` or ``h11.SERVER``).
 
@@ -49,6 +72,7 @@ class HttpConnection:
         self.limits = limits
         self._request_version = request_version
         self._stream = stream
+        self._write_nowait = _nowait_writer(stream)
         self._h11 = h11.Connection(role, max_incomplete_event_size=limits.max_head_bytes)
         self._send_lock = trio.StrictFIFOLock()
         self._head_bytes = 0
@@ -126,8 +150,9 @@ class HttpConnection:
 
     @property
     def can_send_nowait(self) -> bool:
-        """True if :meth:`send_nowait` can write at all (the stream is a plain socket)."""
-        return isinstance(self._stream, trio.SocketStream)
+        """True if :meth:`send_nowait` can write at all (a socket, or a stream that
+        :class:`WritesWithoutWaiting`)."""
+        return self._write_nowait is not None
 
     def send_nowait(self, *events: h11.Event) -> bool:
         """Write ``events`` now, without waiting, when that is possible: the stream is a
@@ -184,16 +209,16 @@ class HttpConnection:
 
         Most writes (a heartbeat, a row, a small answer) fit in the kernel's buffer: this spares
         them a timeout scope and a trip through the scheduler, which is most of what a
-        heartbeat costs when ten thousand connections beat every second. Other streams (memory
-        streams in tests, TLS) take the general path.
+        heartbeat costs when ten thousand connections beat every second. A stream that cannot
+        be written without waiting (TLS, say) takes the general path.
         """
-        if not isinstance(self._stream, trio.SocketStream):
+        if self._write_nowait is None:
             return 0
         try:
-            return os.write(self._stream.socket.fileno(), data)
+            return self._write_nowait(data)
         except BlockingIOError:
             return 0
-        except OSError as exc:
+        except (OSError, trio.BrokenResourceError) as exc:
             self._lost = True
             raise ConnectionLost(f"the peer is gone ({exc})") from exc
 

@@ -1,5 +1,6 @@
 """The library a trio-based trainer imports to talk to hosts (DESIGN §5)."""
 
+from trio_gym.trainer.answers import decode_response
 from trio_gym.trainer.client import ClientSettings, Progress, RolloutClient, SilentProgress
 from trio_gym.trainer.coordinator import (
     CheckpointAborted,
@@ -17,7 +18,7 @@ from trio_gym.trainer.dispatch import (
     RemoteHost,
     SealedResult,
 )
-from trio_gym.trainer.errors import Origin, RolloutError, decode_response
+from trio_gym.trainer.errors import Origin, RolloutError
 from trio_gym.trainer.stream import Row, RowError, RowStream, StreamSummary
 
 __all__ = [

@@ -46,8 +46,9 @@ from trio_gym.http import (
     open_tcp,
 )
 from trio_gym.logs import log_event
+from trio_gym.trainer.answers import decode_response
 from trio_gym.trainer.deadlines import DeadlineRegistry, RequestDeadline
-from trio_gym.trainer.errors import Origin, RolloutError, decode_response
+from trio_gym.trainer.errors import Origin, RolloutError
 from trio_gym.trainer.stream import RowStream
 
 

@@ -23,8 +23,9 @@ import attrs
 import h11
 
 from trio_gym.http import BodyFailed, ClientExchange, NoResponse
+from trio_gym.trainer.answers import decode_response
 from trio_gym.trainer.deadlines import RequestDeadline
-from trio_gym.trainer.errors import Origin, RolloutError, decode_response
+from trio_gym.trainer.errors import Origin, RolloutError
 
 if TYPE_CHECKING:
     from trio_gym.trainer.client import RolloutClient
