@@ -1526,6 +1526,22 @@ MUTATIONS = [
             "tests/test_mutation_runner.py::test_a_mutation_is_caught_only_by_its_named_tests_failing",
         ),
     ),
+    Mutation(
+        "chunks first sent in whatever order trio starts their tasks (README trial)",
+        "trio_gym/trainer/client.py",
+        "                    await nursery.start(self._run_chunk,",
+        "                    nursery.start_soon(self._run_chunk,",
+        ("tests/test_client.py::test_chunks_are_first_sent_in_input_order",),
+    ),
+    Mutation(
+        "a Gym that fails unstarted with no global config given is not told so (README trial)",
+        "trio_gym/runners/gym.py",
+        '        if self.config.gym_global_config:\n            return ""',
+        '        if True:\n            return ""',
+        (
+            "tests/test_gym_runner.py::test_a_gym_started_without_a_global_config_that_fails_says_none_was_given",
+        ),
+    ),
 ]
 
 

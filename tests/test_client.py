@@ -319,6 +319,16 @@ async def test_peak_concurrency_is_exactly_max_in_flight(autojump_clock: trio.ab
     assert runner.peak == 3 * 2  # three chunks of two at once: never more, and reached
 
 
+async def test_chunks_are_first_sent_in_input_order(autojump_clock: trio.abc.Clock) -> None:
+    host = Host(ServeConfig(port=0), runner=CountingRunner())
+    progress = RecordingProgress()
+    async with trio.open_nursery() as nursery:
+        settings = ClientSettings(chunk_size=2, max_in_flight=2)
+        client = RolloutClient(URL, settings, progress=progress, opener=in_memory(nursery, host))
+        await client.run(episodes(12, think_s=5))
+    assert [chunk for chunk, _, _ in progress.started] == list(range(6))
+
+
 async def test_an_empty_batch_is_refused() -> None:
     with pytest.raises(ValueError, match="empty batch"):
         await RolloutClient(URL).run([])

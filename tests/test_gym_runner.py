@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import sys
@@ -188,8 +189,9 @@ def test_the_launcher_is_gyms_own_and_the_config_path_survives_hydra_quoting() -
 
 
 def test_without_nemo_gym_here_the_gym_python_must_be_named() -> None:
-    with pytest.raises(GymStartFailed, match="--gym-python"):
+    with pytest.raises(GymStartFailed, match="--gym-python") as refused:
         gym_python("")
+    assert sys.executable in str(refused.value)
     assert gym_python("/opt/gym/bin/python") == "/opt/gym/bin/python"
 
 
@@ -252,6 +254,25 @@ async def test_a_gym_that_exits_before_it_is_up_fails_the_start_with_its_last_wo
     assert document["stage"] == "starting_gym" and document["error"]["code"] == "bootstrap_failed"
     assert "Gym exited with status 7 before it was up" in document["error"]["message"]
     assert "fake gym: exiting with 7" in document["error"]["message"]
+    assert "no Gym global config" not in document["error"]["message"]
+
+
+async def test_a_gym_started_without_a_global_config_that_fails_says_none_was_given(
+    tmp_path: Path,
+    fake_gym_python: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="trio_gym")
+    monkeypatch.setenv("FAKE_GYM", json.dumps({"ready_at_s": "never", "exit_at_s": 0.2}))
+    config = gym_config(tmp_path, fake_gym_python, {}, gym_global_config=None)
+    async with gym_host(config) as (host, port):
+        reply = await health(port)
+    message = reply.json()["error"]["message"]
+    assert "Gym exited with status 3 before it was up" in message
+    assert "no Gym global config was given" in message and "NMP_GYM_GLOBAL_CONFIG" in message
+    (failed,) = [r for r in caplog.records if r.getMessage() == "stage_failed"]
+    assert failed.levelno == logging.ERROR  # seen at the default level, not lost among Gym's lines
 
 
 async def test_a_gym_that_is_never_up_fails_at_the_start_timeout_and_is_stopped(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from functools import partial
@@ -256,7 +257,7 @@ class Host:
 
     def _fail(self, stage: str, message: str) -> None:
         if not isinstance(self.phase, Failed):
-            log_event("stage_failed", stage=stage, error=message)
+            log_event("stage_failed", level=logging.ERROR, stage=stage, error=message)
         self.phase = Failed(stage, message)
 
     def _enter(self, stage: str) -> None:

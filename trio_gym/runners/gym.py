@@ -81,9 +81,10 @@ def gym_python(configured: str) -> str:
     if importlib.util.find_spec("nemo_gym") is not None:
         return sys.executable
     raise GymStartFailed(
-        "runner 'gym' needs a Python that has nemo_gym (nemo-gym needs Python >= 3.13.14), and "
-        "this one has not; name it with --gym-python (NMP_GYM_PYTHON), or run a deployment "
-        "yourself and use --runner agents --head-server URL"
+        f"runner 'gym' needs a Python that can import nemo_gym, and the host's own "
+        f"({sys.executable}) cannot; name one with --gym-python (NMP_GYM_PYTHON) — nemo-gym "
+        "needs Python 3.13 (scripts/gym_env.sh builds one) — or run a deployment yourself and "
+        "use --runner agents --head-server URL"
     )
 
 
@@ -344,9 +345,19 @@ class GymDeployment:
                     task_status.started(GymReady(f"http://{head.authority}"))
                     status = await tree.wait()
                     return f"the Gym deployment exited with status {status}:\n{tree.output.text()}"
-                failure = f"{failure}\n{tree.output.text()}"
+                failure = f"{failure}{self._without_global_config()}\n{tree.output.text()}"
                 nursery.cancel_scope.cancel()  # stops the deployment
         raise GymStartFailed(failure)
+
+    def _without_global_config(self) -> str:
+        """A hint for the commonest cause of a Gym that will not start: the models and other
+        shared servers the package's agents name live in the global config, and none was given."""
+        if self.config.gym_global_config:
+            return ""
+        return (
+            " (no Gym global config was given: the models the package's agents use are usually "
+            "defined there; set NMP_GYM_GLOBAL_CONFIG, or gym_global_config in the caller config)"
+        )
 
     async def _until_up(self, head: Endpoint, tree: ProcessTree) -> str | None:
         """``None`` once the deployment is up; else why it will not be (it exited first, or

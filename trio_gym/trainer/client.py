@@ -145,7 +145,8 @@ class RolloutClient:
         try:
             async with trio.open_nursery() as nursery:
                 for index, chunk in enumerate(chunks):
-                    nursery.start_soon(self._run_chunk, index, chunk, limiter, answers)
+                    # ``start`` returns once the chunk holds a slot: chunks go out in order.
+                    await nursery.start(self._run_chunk, index, chunk, limiter, answers)
         except ExceptionGroup as group:
             # A bug in one chunk task cancels the rest; surface it as itself, not wrapped.
             if len(group.exceptions) == 1:
@@ -168,10 +169,14 @@ class RolloutClient:
         chunk: Sequence[Mapping[str, Any]],
         limiter: trio.CapacityLimiter,
         answers: list[list[Any] | RolloutError],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         attempts = self.settings.max_attempts
         for attempt in range(1, attempts + 1):
             async with limiter:
+                if attempt == 1:
+                    task_status.started()
                 log_event("chunk_sending", chunk=index, attempt=attempt, examples=len(chunk))
                 self.progress.chunk_started(index, attempt, len(chunk))
                 try:

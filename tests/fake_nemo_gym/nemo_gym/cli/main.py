@@ -2,7 +2,7 @@
 
 It writes what it was started with (argv, working directory, environment, the config file) to
 ``fake-gym-start.json`` in its working directory, then behaves as the config's ``fake_gym``
-block says:
+block says (or, with no such block, the JSON in ``FAKE_GYM``, for a host given no global config):
 
 - ``exit_at_s`` / ``exit_code``: exit by itself that long after starting;
 - ``ready_at_s``: the head server's ``/health`` is 503 until then (``never`` for always);
@@ -95,7 +95,7 @@ def main() -> None:
         "pid": os.getpid(),
     }
     Path("fake-gym-start.json").write_text(json.dumps(record))
-    fake = config.get("fake_gym", {})
+    fake = config.get("fake_gym") or json.loads(os.environ.get("FAKE_GYM", "{}"))
     children = _start_children(fake.get("children", 0))
     print(f"fake gym: started {len(children)} helper(s)", flush=True)
     sys.exit(trio.run(_serve, config, fake))
