@@ -268,8 +268,8 @@ MUTATIONS = [
     Mutation(
         "a bug in the trainer disguised as a rollout failure",
         "trio_gym/trainer/client.py",
-        "                raise group.exceptions[0] from None",
-        '                raise RolloutError("?", origin=Origin.SANDBOX, retryable=False) from None',
+        "            raise_unwrapped(group)",
+        '            raise RolloutError("?", origin=Origin.SANDBOX, retryable=False) from None',
         ("tests/test_client.py::test_a_bug_in_this_process_propagates_as_itself",),
     ),
     Mutation(
@@ -726,6 +726,23 @@ MUTATIONS = [
         (
             "tests/test_proxy_regression.py::test_a_long_batch_arrives_whole_through_the_framing_proxy",
             "tests/test_host_clock.py::test_heartbeat_cadence_over_a_30_minute_batch",
+        ),
+    ),
+    Mutation(
+        "several alike errors of a nursery surface as the first alone, the others lost (#15)",
+        "trio_gym/errors.py",
+        '            found[0].add_note(f"also: {type(other).__name__}: {other}")',
+        "            pass",
+        ("tests/test_errors.py::test_several_alike_errors_surface_as_the_first_naming_the_others",),
+    ),
+    Mutation(
+        "a nursery's single error surfaces wrapped in its group (#15)",
+        "trio_gym/errors.py",
+        "        raise found[0]\n    raise group",
+        "        raise group\n    raise group",
+        (
+            "tests/test_errors.py::test_a_single_error_surfaces_as_itself_with_its_own_cause",
+            "tests/test_client.py::test_a_bug_in_this_process_propagates_as_itself",
         ),
     ),
     Mutation(

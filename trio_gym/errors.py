@@ -15,7 +15,7 @@ import enum
 import json
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import pydantic
 
@@ -116,6 +116,28 @@ def leaves(group: BaseExceptionGroup[E]) -> list[E]:
         else:
             found.append(exc)
     return found
+
+
+def raise_unwrapped(
+    group: BaseExceptionGroup[BaseException], *, alike: type[BaseException] | None = None
+) -> NoReturn:
+    """Raise what a nursery's failure should surface as, with no error lost; call it in the
+    ``except`` clause that caught ``group``.
+
+    A single error is raised as itself (a nursery wraps even one), its own cause kept and the
+    group it came in not shown. Several errors all of type ``alike`` (the one the caller
+    catches) raise the first, every other's message added to it as a note. Anything else
+    raises the whole group.
+    """
+    found = leaves(group)
+    if len(found) > 1 and alike is not None and all(isinstance(exc, alike) for exc in found):
+        for other in found[1:]:
+            found[0].add_note(f"also: {type(other).__name__}: {other}")
+        found = found[:1]
+    if len(found) == 1:
+        found[0].__suppress_context__ = True
+        raise found[0]
+    raise group
 
 
 REDACTED = "<redacted>"

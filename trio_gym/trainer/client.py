@@ -34,6 +34,7 @@ import attrs
 import h11
 import trio
 
+from trio_gym.errors import raise_unwrapped
 from trio_gym.http import (
     BodyFailed,
     ConnectFailed,
@@ -149,9 +150,7 @@ class RolloutClient:
                     await nursery.start(self._run_chunk, index, chunk, limiter, answers)
         except ExceptionGroup as group:
             # A bug in one chunk task cancels the rest; surface it as itself, not wrapped.
-            if len(group.exceptions) == 1:
-                raise group.exceptions[0] from None
-            raise
+            raise_unwrapped(group)
         results: list[Any] = []
         failures: list[RolloutError] = []
         for answer in answers:

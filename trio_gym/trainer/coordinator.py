@@ -37,7 +37,7 @@ import attrs
 import trio
 from pydantic import ValidationError
 
-from trio_gym.errors import WireError, describe_validation_error
+from trio_gym.errors import WireError, describe_validation_error, raise_unwrapped
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import HOST_PARTICIPANT, CommitReply
 from trio_gym.protocol.export import read_export
@@ -194,8 +194,8 @@ class CheckpointCoordinator:
                 nursery.start_soon(self._renew_leases, checkpoint_id, renewal, nursery.cancel_scope)
                 exports = await self._commit_and_drain(checkpoint_id, directory, topology)
                 nursery.cancel_scope.cancel()
-        except ExceptionGroup as group:  # the renewal task never raises: one error, the body's
-            raise group.exceptions[0] from None
+        except ExceptionGroup as group:  # the renewal task never raises: the body's error
+            raise_unwrapped(group)
         if renewal.failure is not None:
             raise renewal.failure
         async with dispatcher.ledger.mutation() as ledger:

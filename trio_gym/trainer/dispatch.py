@@ -39,6 +39,7 @@ from typing import Any, Final
 import attrs
 import trio
 
+from trio_gym.errors import raise_unwrapped
 from trio_gym.http import ConnectFailed
 from trio_gym.logs import log_event
 from trio_gym.protocol.identity import ATTEMPT_KEY, ROLLOUT_ID_KEY
@@ -200,10 +201,7 @@ class Dispatcher:
                 for host in hosts:
                     nursery.start_soon(host_loop, host)
         except ExceptionGroup as group:
-            failed, others = group.split(GroupFailed)
-            if failed is not None and others is None:
-                raise failed.exceptions[0] from group
-            raise
+            raise_unwrapped(group, alike=GroupFailed)
 
     def _assign(self, siblings: int) -> list[str]:
         names = list(self.hosts)
