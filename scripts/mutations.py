@@ -475,9 +475,19 @@ MUTATIONS = [
     Mutation(
         "time parked charged to the batch deadline",
         "trio_gym/host/checkpoint.py",
-        "            scope.deadline = math.inf",
+        "            deadline.pause()",
         "            pass",
         ("tests/test_checkpoint.py::test_time_parked_is_not_charged_to_the_deadline",),
+    ),
+    Mutation(
+        "a paused deadline keeps running (the one pausable deadline of both sides, #15)",
+        "trio_gym/deadline.py",
+        "            self.scope.deadline = math.inf",
+        "            pass",
+        (
+            "tests/test_checkpoint.py::test_time_parked_is_not_charged_to_the_deadline",
+            "tests/test_deadlines.py::test_a_paused_deadline_stands_still_until_the_last_holder_releases",
+        ),
     ),
     Mutation(
         "an expired lease does not resume the host",
@@ -826,7 +836,7 @@ MUTATIONS = [
     Mutation(
         "a request started during a pause runs its deadline",
         "trio_gym/trainer/deadlines.py",
-        "        if self._holders:\n            self._freeze(scope)",
+        "        if self._holders:\n            deadline.pause()",
         "        pass",
         ("tests/test_deadlines.py::test_a_request_that_starts_during_a_pause_waits_for_it",),
     ),

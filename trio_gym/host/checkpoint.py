@@ -18,7 +18,6 @@ that batch's deadline stands still (its remaining time kept) and runs on after t
 from __future__ import annotations
 
 import enum
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -28,6 +27,7 @@ import pydantic
 import trio
 from pydantic import BaseModel, ConfigDict, Field
 
+from trio_gym.deadline import PausableDeadline
 from trio_gym.errors import ErrorCode, WireError, describe_validation_error
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import HOST_PARTICIPANT, MAX_LEASE_S
@@ -82,9 +82,8 @@ class Checkpoints:
         self._resumed: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._export: trio.CancelScope | None = None
         self._lease_changed = trio.Event()
-        self._batches: dict[str, trio.CancelScope] = {}
-        self._frozen: dict[str, float] = {}
-        """Batch id -> its deadline's remaining seconds, frozen while an episode of it is parked."""
+        self._batches: dict[str, PausableDeadline] = {}
+        """Batch id -> its deadline, paused while an episode of it is parked."""
         self._committing: set[str] = set()
         episodes.on_park = self._freeze_batch
 
@@ -94,22 +93,19 @@ class Checkpoints:
         """Track a batch's deadline scope until :meth:`untrack_batch`: while one of its
         episodes is parked, its deadline stands still (time parked is not charged), and runs
         on from there on resume."""
-        self._batches[batch_id] = scope
+        self._batches[batch_id] = PausableDeadline(scope)
 
     def untrack_batch(self, batch_id: str) -> None:
         del self._batches[batch_id]
-        self._frozen.pop(batch_id, None)
 
     def _freeze_batch(self, live: LiveEpisode) -> None:
-        scope = self._batches.get(live.batch_id)
-        if scope is not None and live.batch_id not in self._frozen:
-            self._frozen[live.batch_id] = scope.deadline - trio.current_time()
-            scope.deadline = math.inf
+        deadline = self._batches.get(live.batch_id)
+        if deadline is not None:
+            deadline.pause()
 
     def _thaw_batches(self) -> None:
-        for batch_id, remaining in self._frozen.items():
-            self._batches[batch_id].deadline = trio.current_time() + remaining
-        self._frozen.clear()
+        for deadline in self._batches.values():
+            deadline.resume()
 
     # --- time ---------------------------------------------------------------------------
 

@@ -10,17 +10,17 @@ release never ends another's pause.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 
 import trio
+
+from trio_gym.deadline import PausableDeadline
 
 
 class DeadlineRegistry:
     def __init__(self) -> None:
         self._holders: set[str] = set()
-        self._scopes: dict[trio.CancelScope, float] = {}
-        """Tracked scope -> its remaining seconds while paused (``math.nan`` while running)."""
+        self._tracked: dict[trio.CancelScope, PausableDeadline] = {}
 
     @property
     def holders(self) -> frozenset[str]:
@@ -28,22 +28,21 @@ class DeadlineRegistry:
 
     def track(self, scope: trio.CancelScope) -> None:
         """Pause ``scope``'s deadline with the others until :meth:`untrack`."""
-        self._scopes[scope] = math.nan
+        deadline = self._tracked[scope] = PausableDeadline(scope)
         if self._holders:
-            self._freeze(scope)
+            deadline.pause()
 
     def untrack(self, scope: trio.CancelScope) -> float:
         """Stop tracking ``scope``; the deadline to carry on with (a paused one counts its
         remaining time from now)."""
-        remaining = self._scopes.pop(scope, math.nan)
-        return scope.deadline if math.isnan(remaining) else trio.current_time() + remaining
+        deadline = self._tracked.pop(scope, None)
+        return scope.deadline if deadline is None else deadline.at
 
     def pause(self, holder: str) -> None:
         """Stop every tracked deadline (idempotent per holder)."""
-        if not self._holders:
-            for scope in self._scopes:
-                self._freeze(scope)
         self._holders.add(holder)
+        for deadline in self._tracked.values():
+            deadline.pause()
 
     def release(self, holder: str) -> None:
         """End ``holder``'s pause; deadlines run on, from where they stood, once no holder is
@@ -52,14 +51,8 @@ class DeadlineRegistry:
             return
         self._holders.discard(holder)
         if not self._holders:
-            now = trio.current_time()
-            for scope, remaining in self._scopes.items():
-                scope.deadline = now + remaining
-                self._scopes[scope] = math.nan
-
-    def _freeze(self, scope: trio.CancelScope) -> None:
-        self._scopes[scope] = scope.deadline - trio.current_time()
-        scope.deadline = math.inf
+            for deadline in self._tracked.values():
+                deadline.resume()
 
 
 class RequestDeadline:
