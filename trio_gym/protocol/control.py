@@ -3,12 +3,15 @@ host exports, and the request and reply shapes both sides speak.
 
 Requests are pydantic models, strict and closed (``extra="forbid"``): the host validates every
 call against them, and the trainer builds its calls from them, so a field is named in one place.
-Replies are modelled where the trainer relies on their shape; NOTES.md lists them all.
+Replies are the models the host builds each answer from and the trainer reads it with; they are
+strict but open (``extra="ignore"``), so a newer host may add a field without breaking an older
+trainer.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Final
+import enum
+from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -86,19 +89,119 @@ REQUESTS: Final[dict[str, type[Call]]] = {
 """Every ``POST`` operation and its request (``status`` is a ``GET`` with none)."""
 
 
+class CheckpointPhase(enum.StrEnum):
+    """Where a host is in a checkpoint (the host's transition table is
+    :mod:`trio_gym.host.checkpoint_phases`)."""
+
+    IDLE = "idle"
+    PREPARING = "preparing"
+    PREPARED = "prepared"
+    COMMITTED = "committed"
+    RESTORED = "restored"
+
+
+class Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+
+PhaseField = Annotated[CheckpointPhase, Field(strict=False)]  # its name on the wire is a string
+Admission = Literal["open", "closed"]
+
+
+class Sample(Reply):
+    """Capture keys too many to list: how many, and the first few by name."""
+
+    count: Annotated[int, Field(ge=0)]
+    sample: list[str]
+
+
+class ParticipantName(Reply):
+    server_name: str
+    kind: str
+
+
+class Counts(Reply):
+    running: int
+    parked: int
+    restored: int
+    retired: int
+
+
+class StatusReply(Reply):
+    phase: PhaseField
+    participants: list[ParticipantName]
+    checkpoint_id: str | None
+    admission: Admission
+    lease_expires_at: float | None
+    counts: Counts
+
+
+class PrepareReply(Reply):
+    phase: PhaseField
+    """``preparing`` while blockers remain (call again), ``prepared`` once none do."""
+    checkpoint_id: str
+    admission: Admission
+    parked: Sample
+    blockers: Sample
+    restarts: Sample
+    lease_expires_at: float
+
+
+class RenewReply(Reply):
+    phase: PhaseField
+    checkpoint_id: str
+    lease_expires_at: float
+
+
 class CommittedParticipant(ManifestParticipant):
     """A participant as a commit reply names it: its state where the host wrote it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
 
     state_directory: str = Field(min_length=1)
     capture_keys: list[str]
 
 
-class CommitReply(BaseModel):
-    """What a commit reply holds that the trainer relies on (other fields may follow)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
-
-    capture_keys: list[str]
+class CommitReply(Reply):
+    phase: PhaseField
+    checkpoint_id: str
+    directory: str
+    manifest: str
     participants: list[CommittedParticipant]
+    capture_keys: list[str]
+
+
+class ResumeReply(Reply):
+    phase: PhaseField
+    checkpoint_id: str
+    admission: Admission
+
+
+class RestoredEpisodeName(Reply):
+    rollout_id: str
+    attempt: int
+    capture_key: str
+    step: int
+
+
+class RestoreReply(Reply):
+    phase: PhaseField
+    checkpoint_id: str
+    admission: Admission
+    source_checkpoint_id: str | None
+    restored: list[RestoredEpisodeName]
+
+
+class RetireReply(Reply):
+    checkpoint_id: str
+    complete: bool
+    """False while a retired episode is still stopping (call again); only a complete retire
+    is remembered for replay."""
+    retired: list[RetireRollout]
+    stopped: int
+    still_stopping: Sample
+
+
+class ForgetReply(Reply):
+    checkpoint_id: str
+    forgotten: int
