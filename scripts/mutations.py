@@ -526,9 +526,9 @@ MUTATIONS = [
     ),
     Mutation(
         "restore installs an export whose participants differ from the host's",
-        "trio_gym/host/checkpoint.py",
-        "        if set(export.records) != expected:",
-        "        if False:",
+        "trio_gym/host/restore.py",
+        "    if set(export.records) != expected:",
+        "    if False:",
         ("tests/test_checkpoint.py::test_a_restore_with_the_wrong_participants_changes_nothing",),
     ),
     Mutation(
@@ -597,9 +597,9 @@ MUTATIONS = [
     ),
     Mutation(
         "restore ignores its capture-key scope",
-        "trio_gym/host/checkpoint.py",
-        "        keys = sorted(episodes) if capture_keys is None else sorted(set(capture_keys))",
-        "        keys = sorted(episodes)",
+        "trio_gym/host/restore.py",
+        "    keys = sorted(records) if capture_keys is None else sorted(set(capture_keys))",
+        "    keys = sorted(records)",
         ("tests/test_checkpoint_rules.py::test_commit_and_restore_honour_a_capture_key_scope",),
     ),
     Mutation(
@@ -622,7 +622,7 @@ MUTATIONS = [
     ),
     Mutation(
         "host records installed unchecked",
-        "trio_gym/host/checkpoint.py",
+        "trio_gym/host/restore.py",
         "HostRecord.model_validate(row)",
         "HostRecord.model_construct(**row)",
         (
@@ -631,16 +631,16 @@ MUTATIONS = [
     ),
     Mutation(
         "a participant's records need not match the host's episodes",
-        "trio_gym/host/checkpoint.py",
-        "            if held != set(episodes):",
-        "            if False:",
+        "trio_gym/host/restore.py",
+        "        if held != set(records):",
+        "        if False:",
         ("tests/test_checkpoint_rules.py::test_a_participant_holding_other_episodes_is_refused",),
     ),
     Mutation(
         "a second restore of the same export installed again",
-        "trio_gym/host/checkpoint.py",
-        "        if taken:",
-        "        if False:",
+        "trio_gym/host/restore.py",
+        "    if taken:",
+        "    if False:",
         ("tests/test_checkpoint_rules.py::test_a_second_restore_is_refused_and_changes_nothing",),
     ),
     Mutation(
@@ -660,8 +660,8 @@ MUTATIONS = [
     Mutation(
         "a resumed batch's deadline never runs again",
         "trio_gym/host/checkpoint.py",
-        "            self._batches[batch_id].deadline = trio.current_time() + remaining",
-        "            self._batches[batch_id].deadline = math.inf",
+        "            deadline.resume()",
+        "            pass",
         ("tests/test_checkpoint_rules.py::test_the_deadline_runs_on_after_a_resume",),
     ),
     Mutation(
@@ -674,7 +674,7 @@ MUTATIONS = [
     Mutation(
         "a retire with other arguments replays the first reply",
         "trio_gym/host/checkpoint.py",
-        '        if stored["request"] != body:',
+        "        if done.request != request:",
         "        if False:",
         (
             "tests/test_checkpoint_rules.py::test_retire_and_forget_replay_or_conflict_by_their_arguments",
@@ -754,6 +754,39 @@ MUTATIONS = [
             "tests/test_errors.py::test_a_single_error_surfaces_as_itself_with_its_own_cause",
             "tests/test_client.py::test_a_bug_in_this_process_propagates_as_itself",
         ),
+    ),
+    Mutation(
+        "a checkpoint phase moved where the table has no move (#15)",
+        "trio_gym/host/checkpoint_phases.py",
+        "        if to not in TRANSITIONS[self.phase]:",
+        "        if False:",
+        ("tests/test_checkpoint_phases.py::test_only_the_tables_moves_are_made",),
+    ),
+    Mutation(
+        "a restored host parks episodes, so its restored episodes cannot run (#15)",
+        "trio_gym/host/checkpoint_phases.py",
+        "    CheckpointPhase.RESTORED: Conduct(admission_open=False, parking=False),",
+        "    CheckpointPhase.RESTORED: Conduct(admission_open=False, parking=True),",
+        (
+            "tests/test_checkpoint_phases.py::test_the_phase_alone_opens_admission_and_parks_episodes",
+            "tests/test_checkpoint.py::test_restore_continues_each_episode_once_as_the_next_attempt",
+        ),
+    ),
+    Mutation(
+        "a restored host admits new episodes before the resume (#15)",
+        "trio_gym/host/checkpoint_phases.py",
+        "    CheckpointPhase.RESTORED: Conduct(admission_open=False, parking=False),",
+        "    CheckpointPhase.RESTORED: Conduct(admission_open=True, parking=False),",
+        (
+            "tests/test_checkpoint_phases.py::test_the_phase_alone_opens_admission_and_parks_episodes",
+        ),
+    ),
+    Mutation(
+        "parking that ends leaves parked episodes waiting (#15)",
+        "trio_gym/host/episodes.py",
+        "        if before.parking and not after.parking:\n            self._release.set()",
+        "        if False:\n            self._release.set()",
+        ("tests/test_checkpoint.py::test_a_lease_that_expires_resumes_the_host_by_itself",),
     ),
     Mutation(
         "a batch paces its heartbeats itself even when the host's pacer runs (#15)",

@@ -43,7 +43,7 @@ async def test_prepare_parks_at_boundaries_and_reports_a_long_wait_step_as_a_blo
         second = await r.control.prepare("c1", timeout_s=2000, lease_s=3000)
         assert second["phase"] == "prepared" and trio.current_time() == 1000
         await trio.sleep(100)  # parked: nothing moves
-        assert r.host.checkpoints.status()["counts"]["parked"] == 2
+        assert r.host.checkpoints.status().counts.parked == 2
         await r.control.resume("c1", timeout_s=5)
         await r.finish("batch")
     results = results_of(r.rows["batch"])

@@ -150,8 +150,8 @@ async def test_concurrent_commits_of_one_checkpoint_write_one_export(
             both.start_soon(commit)
             both.start_soon(commit)
         await r.control.resume("c1", timeout_s=5)
-    replies = [o for o in outcomes if isinstance(o, dict)]
-    refusals = [o for o in outcomes if not isinstance(o, dict)]
+    replies = [o for o in outcomes if not isinstance(o, WireError)]
+    refusals = [o for o in outcomes if isinstance(o, WireError)]
     assert len(replies) == 1 and len(refusals) == 1
     assert refusals[0].code == "checkpoint_conflict" and "being committed" in str(refusals[0])
 

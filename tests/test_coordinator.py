@@ -50,7 +50,7 @@ async def checkpoint_mid_flight(tmp_path: Path, at: float = 7.0) -> tuple[Any, l
         await trio.sleep(at)
         manifest = await f.coordinator.checkpoint(tmp_path / "c1")
         assert f.dispatcher.gate.is_open and not f.dispatcher.deadlines.holders
-        assert all(h.checkpoints.status()["phase"] == "idle" for h in f.hosts.values())
+        assert all(h.checkpoints.status().phase == "idle" for h in f.hosts.values())
     return manifest, f.consumed
 
 
@@ -146,7 +146,7 @@ async def test_a_manifest_pointing_outside_its_checkpoint_is_refused_before_any_
     async with fleet() as f:
         with pytest.raises(RestoreRefused, match="not a path inside the checkpoint"):
             await f.coordinator.restore(tmp_path / "c1")
-        assert all(h.checkpoints.status()["counts"]["restored"] == 0 for h in f.hosts.values())
+        assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
 
 
 async def test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing(
@@ -156,7 +156,7 @@ async def test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing(
     async with fleet(("a", "c")) as f:
         with pytest.raises(RestoreRefused, match=r"taken with hosts \['a', 'b'\]"):
             await f.coordinator.restore(tmp_path / "c1")
-        assert all(h.checkpoints.status()["counts"]["restored"] == 0 for h in f.hosts.values())
+        assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
         assert not f.dispatcher.ledger.groups
 
 
@@ -171,7 +171,7 @@ async def test_a_tampered_export_is_refused_before_any_host_changes(
     async with fleet() as f:
         with pytest.raises(RestoreRefused, match="SHA-256"):
             await f.coordinator.restore(tmp_path / "c1")
-        assert all(h.checkpoints.status()["counts"]["restored"] == 0 for h in f.hosts.values())
+        assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
 
 
 async def test_an_export_swapped_for_another_commit_is_refused(
@@ -184,7 +184,7 @@ async def test_an_export_swapped_for_another_commit_is_refused(
     async with fleet() as f:
         with pytest.raises(RestoreRefused, match="is not the one committed"):
             await f.coordinator.restore(tmp_path / "c1")
-        assert all(h.checkpoints.status()["counts"]["restored"] == 0 for h in f.hosts.values())
+        assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
 
 
 class DiesDuringRestore(HostControl):
@@ -208,9 +208,9 @@ async def test_a_failed_restore_on_one_host_is_undone_on_every_host(
         assert not f.dispatcher.ledger.groups  # the trainer took nothing in
     assert "every host retired what it restored and resumed" in str(failed.value)
     for status in statuses.values():
-        assert (status["phase"], status["admission"]) == ("idle", "open")
-        assert status["counts"]["restored"] == 0
-    assert statuses["a"]["counts"]["retired"] >= 1  # a had restored its episodes: retired
+        assert (status.phase, status.admission) == ("idle", "open")
+        assert status.counts.restored == 0
+    assert statuses["a"].counts.retired >= 1  # a had restored its episodes: retired
 
 
 async def test_an_episode_the_trainer_never_dispatched_aborts_the_checkpoint(
@@ -233,7 +233,7 @@ async def test_an_episode_the_trainer_never_dispatched_aborts_the_checkpoint(
             with pytest.raises(CheckpointAborted, match="not-ours, which this trainer never"):
                 await f.coordinator.checkpoint(tmp_path / "c1")
             assert f.dispatcher.gate.is_open
-            assert all(h.checkpoints.status()["phase"] == "idle" for h in f.hosts.values())
+            assert all(h.checkpoints.status().phase == "idle" for h in f.hosts.values())
     assert not (tmp_path / "c1" / MANIFEST_NAME).exists()
     assert len(f.consumed) == 2  # the trainer's own work went on
 
@@ -247,7 +247,7 @@ async def test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_abo
         await trio.sleep(5)
         with pytest.raises(CheckpointUnavailable, match="could not park") as first:
             await f.coordinator.checkpoint(tmp_path / "c1")
-        assert all(h.checkpoints.status()["phase"] == "idle" for h in f.hosts.values())
+        assert all(h.checkpoints.status().phase == "idle" for h in f.hosts.values())
         assert f.dispatcher.gate.is_open and not f.dispatcher.deadlines.holders
         with pytest.raises(CheckpointAborted, match="2 unavailable in a row"):
             await f.coordinator.checkpoint(tmp_path / "c2")
@@ -343,7 +343,7 @@ async def test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint(
         )
         with pytest.raises(CheckpointAborted, match=message):
             await f.coordinator.checkpoint(tmp_path / "c1")
-        assert all(h.checkpoints.status()["phase"] == "idle" for h in f.hosts.values())
+        assert all(h.checkpoints.status().phase == "idle" for h in f.hosts.values())
         assert f.dispatcher.gate.is_open
     assert not (tmp_path / "c1" / MANIFEST_NAME).exists()
     assert len(f.consumed) == 2

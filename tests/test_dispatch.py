@@ -106,7 +106,7 @@ async def test_rows_missing_from_a_cut_stream_are_abandoned_retired_and_resent_u
         [(f"g.0@{token}", 0, "sealed")],
         [(f"g.1@{token}", 0, "abandoned"), (f"g.1@{token}.g1", 0, "sealed")],
     ]
-    assert status["counts"]["retired"] == 1  # the lost attempt was retired on its host ...
+    assert status.counts.retired == 1  # the lost attempt was retired on its host ...
     assert len(f.runners["a"].cancelled) == 1  # ... which stopped running it at once
     assert f.dispatcher.to_retire["a"] == set()
     assert [r.rollout_id for r in consumed] == [f"g.0@{token}", f"g.1@{token}.g1"]
@@ -144,7 +144,7 @@ async def test_a_dropped_group_is_retired_by_the_next_checkpoint_before_prepare(
         manifest = await f.coordinator.checkpoint(tmp_path / "c1")
         status = f.hosts["a"].checkpoints.status()
     assert f.dispatcher.to_retire["a"] == set()  # retired, so forgotten here
-    assert status["counts"]["retired"] == 1 and status["phase"] == "idle"
+    assert status.counts.retired == 1 and status.phase == "idle"
     assert manifest.hosts[0].episodes == []
 
 
@@ -221,7 +221,7 @@ async def test_an_identity_a_host_still_runs_is_a_loss_not_a_result(
     assert states(same, "g") == [
         [(f"g.0@{token}", 0, "abandoned"), (f"g.0@{token}.g1", 0, "sealed")]
     ]
-    assert status["counts"]["retired"] == 1  # the other copy was retired (cancelled)
+    assert status.counts.retired == 1  # the other copy was retired (cancelled)
     assert len(f.runners["a"].cancelled) == 1
 
 

@@ -1,91 +1,136 @@
-"""The host as a checkpoint participant (DESIGN §3.4): phases, lease, export, restore, retire.
+"""The host as a checkpoint participant (DESIGN §3.4): the operations, their id rules and
+replies, the lease, and the batch deadlines that stand still while their episodes are parked.
 
-Phases, and the operations that move between them (anything else is ``wrong_phase``)::
-
-    idle      --prepare-->  preparing  --(all parked)-->  prepared  --commit-->  committed
-    idle      --restore-->  restored
-    any       --resume, or the lease expiring-->  idle
-    idle, restored:  retire, forget
-
-Every call names a ``checkpoint_id``. While one is active, another id is
-``checkpoint_conflict``; an id already resumed is ``stale_checkpoint``; an operation that
-completed replays its reply. ``prepare`` closes admission and waits — on the episode registry's
-changes, never by polling — until every capturable episode is parked at a step boundary, or its
-deadline; ``preparing`` replies name the blockers. While one of a batch's episodes is parked,
-that batch's deadline stands still (its remaining time kept) and runs on after the resume.
+The phases and their legal moves are :mod:`~trio_gym.host.checkpoint_phases`; reading an export
+back is :mod:`~trio_gym.host.restore`. Every call names a ``checkpoint_id``. While one is
+active, another id is ``checkpoint_conflict``; an id already resumed is ``stale_checkpoint``;
+an operation that completed replays its reply. ``prepare`` closes admission and waits — on the
+episode registry's changes, never by polling — until every capturable episode is parked at a
+step boundary, or its deadline; ``preparing`` replies name the blockers.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Final
+from typing import Any, Final, TypeVar
 
-import pydantic
+import attrs
 import trio
-from pydantic import BaseModel, ConfigDict, Field
 
 from trio_gym.deadline import PausableDeadline
-from trio_gym.errors import ErrorCode, WireError, describe_validation_error
+from trio_gym.errors import ErrorCode, WireError
 from trio_gym.logs import log_event
-from trio_gym.protocol.control import HOST_PARTICIPANT, MAX_LEASE_S
+from trio_gym.protocol.control import (
+    HOST_PARTICIPANT,
+    MAX_LEASE_S,
+    CheckpointPhase,
+    CommitReply,
+    Counts,
+    ForgetReply,
+    ParticipantName,
+    PrepareReply,
+    RenewReply,
+    Reply,
+    RestoredEpisodeName,
+    RestoreReply,
+    ResumeReply,
+    RetireReply,
+    RetireRollout,
+    Sample,
+    StatusReply,
+)
 from trio_gym.protocol.export import (
     FORMAT,
     ParticipantExport,
-    invalid,
     publish_manifest,
-    read_export,
     write_records,
 )
-from trio_gym.protocol.identity import EpisodeId
 from trio_gym.runners.base import StateParticipant
 
-from .episodes import Episodes, LiveEpisode, RestoredEpisode
+from .checkpoint_phases import CheckpointPhases
+from .episodes import Episodes, LiveEpisode
+from .restore import host_record, plan_restore
 
 SAMPLE: Final = 16  # blockers and restarts listed by name in a reply; the count is always whole
 REMEMBERED_IDS: Final = 4096  # resumed ids kept to refuse them as stale; older ones are forgotten
 
-
-class CheckpointPhase(enum.StrEnum):
-    IDLE = "idle"
-    PREPARING = "preparing"
-    PREPARED = "prepared"
-    COMMITTED = "committed"
-    RESTORED = "restored"
+R = TypeVar("R", bound=Reply)
 
 
-def _sample(keys: Iterable[str]) -> dict[str, Any]:
+def _sample(keys: Iterable[str]) -> Sample:
     keys = sorted(keys)
-    return {"count": len(keys), "sample": keys[:SAMPLE]}
+    return Sample(count=len(keys), sample=keys[:SAMPLE])
+
+
+@attrs.frozen
+class _Done:
+    request: object
+    """What made the reply: a replay needs the same (``None`` where any call replays)."""
+    reply: Reply
+
+
+class ReplyCache:
+    """The replies of completed operations of the active checkpoint, to replay them."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple[str, str], _Done] = {}
+
+    def replay(
+        self, kind: type[R], operation: str, checkpoint_id: str, request: object, conflict: str
+    ) -> R | None:
+        """The reply of a completed identical call, or ``None``; a call under the same id with
+        a different ``request`` is ``checkpoint_conflict`` with the ``conflict`` message."""
+        done = self._done.get((operation, checkpoint_id))
+        if done is None:
+            return None
+        if done.request != request:
+            raise WireError(ErrorCode.CHECKPOINT_CONFLICT, conflict)
+        assert isinstance(done.reply, kind)
+        return done.reply
+
+    def remember(self, operation: str, checkpoint_id: str, request: object, reply: Reply) -> None:
+        self._done[(operation, checkpoint_id)] = _Done(request, reply)
+
+    def forget_checkpoint(self, checkpoint_id: str) -> None:
+        """Only the resume is remembered of a finished checkpoint."""
+        for key in [key for key in self._done if key[1] == checkpoint_id]:
+            del self._done[key]
 
 
 class Checkpoints:
-    """The checkpoint state machine of one host process."""
+    """The checkpoint participant of one host process."""
 
     def __init__(
         self,
+        phases: CheckpointPhases,
         episodes: Episodes,
         participant: Callable[[], StateParticipant | None],
         *,
         wall_time: Callable[[], float],
     ) -> None:
+        self.phases = phases
         self.episodes = episodes
         self._participant = participant
         self._wall_time = wall_time
-        self.phase = CheckpointPhase.IDLE
-        self.checkpoint_id: str | None = None
         self.lease_until: float | None = None
-        self._replies: dict[tuple[str, str], dict[str, Any]] = {}
-        self._commit_scope: tuple[str, tuple[str, ...] | None] | None = None
-        self._resumed: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._replies = ReplyCache()
+        self._resumed: OrderedDict[str, ResumeReply] = OrderedDict()
         self._export: trio.CancelScope | None = None
         self._lease_changed = trio.Event()
         self._batches: dict[str, PausableDeadline] = {}
         """Batch id -> its deadline, paused while an episode of it is parked."""
         self._committing: set[str] = set()
         episodes.on_park = self._freeze_batch
+
+    @property
+    def phase(self) -> CheckpointPhase:
+        return self.phases.phase
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self.phases.checkpoint_id
 
     # --- batch deadlines ------------------------------------------------------------------
 
@@ -170,30 +215,30 @@ class Checkpoints:
 
     # --- operations ---------------------------------------------------------------------
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "phase": self.phase.value,
-            "participants": [
-                {"server_name": name, "kind": kind} for name, kind in self._participants()
+    def status(self) -> StatusReply:
+        parked = len(self.episodes.parked())
+        return StatusReply(
+            phase=self.phase,
+            participants=[
+                ParticipantName(server_name=name, kind=kind) for name, kind in self._participants()
             ],
-            "checkpoint_id": self.checkpoint_id,
-            "admission": "open" if self.episodes.admission_open else "closed",
-            "lease_expires_at": self.wall(self.lease_until) if self.lease_until else None,
-            "counts": {
-                "running": len(self.episodes.live) - len(self.episodes.parked()),
-                "parked": len(self.episodes.parked()),
-                "restored": len(self.episodes.restored),
-                "retired": len(self.episodes.retired),
-            },
-        }
+            checkpoint_id=self.checkpoint_id,
+            admission="open" if self.episodes.admission_open else "closed",
+            lease_expires_at=self.wall(self.lease_until) if self.lease_until else None,
+            counts=Counts(
+                running=len(self.episodes.live) - parked,
+                parked=parked,
+                restored=len(self.episodes.restored),
+                retired=len(self.episodes.retired),
+            ),
+        )
 
-    async def prepare(self, checkpoint_id: str, deadline: float, lease_s: float) -> dict[str, Any]:
+    async def prepare(self, checkpoint_id: str, deadline: float, lease_s: float) -> PrepareReply:
         self._check_id(checkpoint_id)
-        if replay := self._replies.get(("prepare", checkpoint_id)):
+        if replay := self._replies.replay(PrepareReply, "prepare", checkpoint_id, None, ""):
             return replay
         if self.phase is CheckpointPhase.IDLE:
-            self.phase, self.checkpoint_id = CheckpointPhase.PREPARING, checkpoint_id
-            self.episodes.start_parking()
+            self.phases.move(CheckpointPhase.PREPARING, checkpoint_id)
             log_event("checkpoint_preparing", checkpoint_id=checkpoint_id)
         elif self.phase is not CheckpointPhase.PREPARING:
             raise self._wrong_phase("prepare", "idle")
@@ -210,32 +255,36 @@ class Checkpoints:
                 ErrorCode.STALE_CHECKPOINT, f"checkpoint {checkpoint_id} was resumed meanwhile"
             )
         blockers = [live.id.capture_key for live in self.episodes.blockers()]
-        reply: dict[str, Any] = {
-            "phase": CheckpointPhase.PREPARING.value,
-            "checkpoint_id": checkpoint_id,
-            "admission": "closed",
-            "parked": _sample(live.id.capture_key for live in self.episodes.parked()),
-            "blockers": _sample(blockers),
-            "restarts": _sample(live.id.capture_key for live in self.episodes.restarts()),
-            "lease_expires_at": self.wall(self.lease_until or 0),
-        }
+        if not blockers and self.phase is CheckpointPhase.PREPARING:  # not if a twin call did
+            self.phases.move(CheckpointPhase.PREPARED, checkpoint_id)
+        reply = PrepareReply(
+            phase=self.phase,
+            checkpoint_id=checkpoint_id,
+            admission="closed",
+            parked=_sample(live.id.capture_key for live in self.episodes.parked()),
+            blockers=_sample(blockers),
+            restarts=_sample(live.id.capture_key for live in self.episodes.restarts()),
+            lease_expires_at=self.wall(self.lease_until or 0),
+        )
         if not blockers:
-            self.phase = CheckpointPhase.PREPARED
-            reply["phase"] = CheckpointPhase.PREPARED.value
-            self._replies[("prepare", checkpoint_id)] = reply
-            log_event("checkpoint_prepared", checkpoint_id=checkpoint_id, parked=reply["parked"])
+            self._replies.remember("prepare", checkpoint_id, None, reply)
+            log_event(
+                "checkpoint_prepared",
+                checkpoint_id=checkpoint_id,
+                parked=reply.parked.model_dump(),
+            )
         return reply
 
-    def renew(self, checkpoint_id: str, lease_s: float) -> dict[str, Any]:
+    def renew(self, checkpoint_id: str, lease_s: float) -> RenewReply:
         self._check_id(checkpoint_id)
         if self.checkpoint_id is None:
             raise self._wrong_phase("renew", "in a checkpoint")
         self._set_lease(lease_s)
-        return {
-            "phase": self.phase.value,
-            "checkpoint_id": checkpoint_id,
-            "lease_expires_at": self.wall(self.lease_until or 0),
-        }
+        return RenewReply(
+            phase=self.phase,
+            checkpoint_id=checkpoint_id,
+            lease_expires_at=self.wall(self.lease_until or 0),
+        )
 
     async def commit(
         self,
@@ -243,15 +292,11 @@ class Checkpoints:
         deadline: float,
         directory: Path,
         capture_keys: Sequence[str] | None,
-    ) -> dict[str, Any]:
+    ) -> CommitReply:
         self._check_id(checkpoint_id)
         scope = (str(directory), tuple(sorted(capture_keys)) if capture_keys is not None else None)
-        if replay := self._replies.get(("commit", checkpoint_id)):
-            if self._commit_scope != scope:
-                raise WireError(
-                    ErrorCode.CHECKPOINT_CONFLICT,
-                    f"checkpoint {checkpoint_id} was committed to another directory or scope",
-                )
+        conflict = f"checkpoint {checkpoint_id} was committed to another directory or scope"
+        if replay := self._replies.replay(CommitReply, "commit", checkpoint_id, scope, conflict):
             return replay
         if checkpoint_id in self._committing:
             raise WireError(
@@ -275,7 +320,7 @@ class Checkpoints:
             )
         episodes = [parked[key] for key in keys]
         participant = self._participant()
-        records = [(*HOST_PARTICIPANT, [_host_record(live) for live in episodes])]
+        records = [(*HOST_PARTICIPANT, [host_record(live) for live in episodes])]
         if participant is not None:
             records.append((*participant.participant, participant.export_records(keys)))
         # The files are written on the trio thread, a participant at a time with a yield
@@ -303,21 +348,22 @@ class Checkpoints:
             raise WireError(
                 ErrorCode.DEADLINE_EXCEEDED, "the export did not finish before the call's deadline"
             )
-        self.phase = CheckpointPhase.COMMITTED
-        reply = {
-            "phase": CheckpointPhase.COMMITTED.value,
-            "checkpoint_id": checkpoint_id,
-            "directory": str(directory),
-            "manifest": str(path),
-            "participants": [export.to_json() for export in exports],
-            "capture_keys": keys,
-        }
-        self._replies[("commit", checkpoint_id)] = reply
-        self._commit_scope = scope
+        self.phases.move(CheckpointPhase.COMMITTED, checkpoint_id)
+        reply = CommitReply.model_validate(
+            {
+                "phase": CheckpointPhase.COMMITTED,
+                "checkpoint_id": checkpoint_id,
+                "directory": str(directory),
+                "manifest": str(path),
+                "participants": [export.to_json() for export in exports],
+                "capture_keys": keys,
+            }
+        )
+        self._replies.remember("commit", checkpoint_id, scope, reply)
         log_event("checkpoint_committed", checkpoint_id=checkpoint_id, episodes=len(keys))
         return reply
 
-    def resume(self, checkpoint_id: str) -> dict[str, Any]:
+    def resume(self, checkpoint_id: str) -> ResumeReply:
         """Reopen admission and release parked episodes. Idempotent; it is also the abort."""
         if replay := self._resumed.get(checkpoint_id):
             return replay
@@ -328,21 +374,18 @@ class Checkpoints:
             )
         return self._resume(checkpoint_id)
 
-    def _resume(self, checkpoint_id: str) -> dict[str, Any]:
+    def _resume(self, checkpoint_id: str) -> ResumeReply:
         if self._export is not None:
             self._export.cancel()  # an unfinished export must never publish
         self._thaw_batches()
-        self.episodes.release(reopen=True)
-        for key in [key for key in self._replies if key[1] == checkpoint_id]:
-            del self._replies[key]  # only the resume is remembered of a finished checkpoint
-        self.phase, self.checkpoint_id, self.lease_until = CheckpointPhase.IDLE, None, None
+        self.phases.move(CheckpointPhase.IDLE, checkpoint_id)
+        self._replies.forget_checkpoint(checkpoint_id)
+        self.lease_until = None
         self._lease_changed.set()
         self._lease_changed = trio.Event()
-        reply = {
-            "phase": CheckpointPhase.IDLE.value,
-            "checkpoint_id": checkpoint_id,
-            "admission": "open",
-        }
+        reply = ResumeReply(
+            phase=CheckpointPhase.IDLE, checkpoint_id=checkpoint_id, admission="open"
+        )
         self._resumed[checkpoint_id] = reply
         while len(self._resumed) > REMEMBERED_IDS:
             self._resumed.popitem(last=False)
@@ -355,79 +398,44 @@ class Checkpoints:
         directory: Path,
         capture_keys: Sequence[str] | None,
         lease_s: float,
-    ) -> dict[str, Any]:
+    ) -> RestoreReply:
         self._check_id(checkpoint_id)
-        if replay := self._replies.get(("restore", checkpoint_id)):
+        if replay := self._replies.replay(RestoreReply, "restore", checkpoint_id, None, ""):
             return replay
         if self.phase is not CheckpointPhase.IDLE:
             raise self._wrong_phase("restore", "idle")
-        # Read, checked and installed on the trio thread with no await: nothing else can
-        # change the phase in between.
-        export = read_export(directory)
         participant = self._participant()
-        expected = set(self._participants())
-        if set(export.records) != expected:
-            raise invalid(
-                f"{directory}: the export's participants {_names(export.records)} are not this "
-                f"host's {_names(expected)}; nothing was restored"
-            )
-        episodes = _host_records(directory, export.records[HOST_PARTICIPANT])
-        keys = sorted(episodes) if capture_keys is None else sorted(set(capture_keys))
-        missing = [key for key in keys if key not in episodes]
-        if missing:
-            raise invalid(
-                f"{directory}: {len(missing)} capture key(s) not exported: {missing[:SAMPLE]}"
-            )
-        for part, records in export.records.items():
-            held = {record["capture_key"] for record in records}
-            if held != set(episodes):
-                raise invalid(
-                    f"{directory}: participant {'/'.join(part)} holds records for "
-                    f"{len(held)} episode(s), the host for {len(episodes)}; the export is "
-                    "inconsistent, nothing restored"
-                )
-        restored = [
-            RestoredEpisode(
-                EpisodeId(episodes[key].rollout_id, episodes[key].attempt + 1),
-                episodes[key].step,
-                episodes[key].state,
-            )
-            for key in keys
-        ]
-        renames = {key: episode.id.capture_key for key, episode in zip(keys, restored, strict=True)}
-        taken = [new for new in renames.values() if self.episodes.knows(new)]
-        if taken:
-            raise WireError(
-                ErrorCode.CHECKPOINT_CONFLICT,
-                f"{len(taken)} episode(s) of this export were already restored here: "
-                f"{taken[:SAMPLE]}",
-            )
+        # Planned (read and checked) and installed on the trio thread with no await: nothing
+        # else can change the phase in between.
+        plan = plan_restore(
+            directory,
+            capture_keys,
+            participants=self._participants(),
+            runner_participant=participant.participant if participant is not None else None,
+            episodes=self.episodes,
+        )
         if participant is not None:
-            records = [
-                r for r in export.records[participant.participant] if r["capture_key"] in renames
-            ]
-            participant.restore_records(records, renames)
-        self.episodes.install(restored)
-        self.episodes.close_admission()
-        self.phase, self.checkpoint_id = CheckpointPhase.RESTORED, checkpoint_id
+            participant.restore_records(plan.participant_records, plan.renames)
+        self.episodes.install(plan.episodes)
+        self.phases.move(CheckpointPhase.RESTORED, checkpoint_id)
         self._set_lease(lease_s)
-        reply = {
-            "phase": CheckpointPhase.RESTORED.value,
-            "checkpoint_id": checkpoint_id,
-            "admission": "closed",
-            "source_checkpoint_id": export.manifest.get("checkpoint_id"),
-            "restored": [
-                {
-                    "rollout_id": episode.id.rollout_id,
-                    "attempt": episode.id.attempt,
-                    "capture_key": episode.id.capture_key,
-                    "step": episode.step,
-                }
-                for episode in restored
+        reply = RestoreReply(
+            phase=CheckpointPhase.RESTORED,
+            checkpoint_id=checkpoint_id,
+            admission="closed",
+            source_checkpoint_id=plan.source_checkpoint_id,
+            restored=[
+                RestoredEpisodeName(
+                    rollout_id=episode.id.rollout_id,
+                    attempt=episode.id.attempt,
+                    capture_key=episode.id.capture_key,
+                    step=episode.step,
+                )
+                for episode in plan.episodes
             ],
-        }
-        self._replies[("restore", checkpoint_id)] = reply
-        log_event("checkpoint_restored", checkpoint_id=checkpoint_id, episodes=len(restored))
+        )
+        self._replies.remember("restore", checkpoint_id, None, reply)
+        log_event("checkpoint_restored", checkpoint_id=checkpoint_id, episodes=len(plan.episodes))
         return reply
 
     def _check_idle_or_restored(self, operation: str, checkpoint_id: str) -> None:
@@ -437,25 +445,17 @@ class Checkpoints:
             raise self._wrong_phase(operation, "idle or restored (not while a checkpoint is open)")
         self._check_no_conflict(checkpoint_id)
 
-    def _replay(self, operation: str, checkpoint_id: str, body: object) -> dict[str, Any] | None:
-        """The reply of a completed identical call; a different call under the same id is a
-        conflict."""
-        stored = self._replies.get((operation, checkpoint_id))
-        if stored is None:
-            return None
-        if stored["request"] != body:
-            raise WireError(
-                ErrorCode.CHECKPOINT_CONFLICT,
-                f"{operation} {checkpoint_id} was already done with other arguments; use a new id",
-            )
-        return stored["reply"]  # type: ignore[no-any-return]
+    @staticmethod
+    def _other_arguments(operation: str, checkpoint_id: str) -> str:
+        return f"{operation} {checkpoint_id} was already done with other arguments; use a new id"
 
     async def retire(
         self, checkpoint_id: str, deadline: float, rollouts: Sequence[tuple[str, int]]
-    ) -> dict[str, Any]:
+    ) -> RetireReply:
         request = sorted(rollouts)
         self._check_not_stale(checkpoint_id)
-        if (replay := self._replay("retire", checkpoint_id, request)) is not None:
+        conflict = self._other_arguments("retire", checkpoint_id)
+        if replay := self._replies.replay(RetireReply, "retire", checkpoint_id, request, conflict):
             return replay
         self._check_idle_or_restored("retire", checkpoint_id)
         stopping: list[LiveEpisode] = []
@@ -474,75 +474,29 @@ class Checkpoints:
             for live in stopping
             if self.episodes.live.get(live.id.capture_key) is live
         ]
-        reply = {
-            "checkpoint_id": checkpoint_id,
-            "complete": not still,
-            "retired": [{"rollout_id": rid, "attempt": attempt} for rid, attempt in rollouts],
-            "stopped": len(stopping) - len(still),
-            "still_stopping": _sample(still),
-        }
+        reply = RetireReply(
+            checkpoint_id=checkpoint_id,
+            complete=not still,
+            retired=[RetireRollout(rollout_id=rid, attempt=attempt) for rid, attempt in rollouts],
+            stopped=len(stopping) - len(still),
+            still_stopping=_sample(still),
+        )
         if not still:
-            self._replies[("retire", checkpoint_id)] = {"request": request, "reply": reply}
+            self._replies.remember("retire", checkpoint_id, request, reply)
         return reply
 
-    def forget(self, checkpoint_id: str, rollout_ids: Sequence[str] | None) -> dict[str, Any]:
+    def forget(self, checkpoint_id: str, rollout_ids: Sequence[str] | None) -> ForgetReply:
         request = sorted(rollout_ids) if rollout_ids is not None else None
         self._check_not_stale(checkpoint_id)
-        if (replay := self._replay("forget", checkpoint_id, request)) is not None:
+        conflict = self._other_arguments("forget", checkpoint_id)
+        if replay := self._replies.replay(ForgetReply, "forget", checkpoint_id, request, conflict):
             return replay
         self._check_idle_or_restored("forget", checkpoint_id)
-        reply = {"checkpoint_id": checkpoint_id, "forgotten": self.episodes.forget(rollout_ids)}
-        self._replies[("forget", checkpoint_id)] = {"request": request, "reply": reply}
+        reply = ForgetReply(
+            checkpoint_id=checkpoint_id, forgotten=self.episodes.forget(rollout_ids)
+        )
+        self._replies.remember("forget", checkpoint_id, request, reply)
         return reply
-
-
-class HostRecord(BaseModel):
-    """One exported episode as the host wrote it (:func:`_host_record`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    capture_key: str
-    rollout_id: Annotated[str, Field(min_length=1)]
-    attempt: Annotated[int, Field(ge=0)]
-    step: Annotated[int, Field(ge=0)]
-    state: dict[str, Any]
-
-
-def _names(participants: Iterable[tuple[str, str]]) -> list[str]:
-    """Participants as ``server_name/kind``, the way the export's folders name them."""
-    return sorted("/".join(part) for part in participants)
-
-
-def _host_records(directory: Path, rows: Sequence[Mapping[str, Any]]) -> dict[str, HostRecord]:
-    """The host's records by capture key, each checked before anything is installed."""
-    records: dict[str, HostRecord] = {}
-    for number, row in enumerate(rows, 1):
-        try:
-            record = HostRecord.model_validate(row)
-        except pydantic.ValidationError as exc:
-            raise invalid(
-                f"{directory}: host record {number} is malformed: {describe_validation_error(exc)}"
-            ) from exc
-        expected = EpisodeId(record.rollout_id, record.attempt).capture_key
-        if record.capture_key != expected:
-            raise invalid(
-                f"{directory}: host record {number} has capture key {record.capture_key!r}, "
-                f"but its rollout and attempt make {expected!r}"
-            )
-        if record.capture_key in records:
-            raise invalid(f"{directory}: episode {expected!r} is exported twice")
-        records[record.capture_key] = record
-    return records
-
-
-def _host_record(live: LiveEpisode) -> dict[str, Any]:
-    return {
-        "capture_key": live.id.capture_key,
-        "rollout_id": live.id.rollout_id,
-        "attempt": live.id.attempt,
-        "step": live.step,
-        "state": live.state,
-    }
 
 
 def _manifest(

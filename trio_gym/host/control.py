@@ -28,6 +28,7 @@ from trio_gym.protocol.control import (
     Forget,
     Prepare,
     Renew,
+    Reply,
     Restore,
     Resume,
     Retire,
@@ -46,40 +47,40 @@ def _absolute(directory: str) -> Path:
     return path
 
 
-async def _prepare(host: Host, call: Prepare) -> dict[str, Any]:
+async def _prepare(host: Host, call: Prepare) -> Reply:
     return await host.checkpoints.prepare(call.checkpoint_id, call.deadline, call.lease_s)
 
 
-async def _renew(host: Host, call: Renew) -> dict[str, Any]:
+async def _renew(host: Host, call: Renew) -> Reply:
     return host.checkpoints.renew(call.checkpoint_id, call.lease_s)
 
 
-async def _commit(host: Host, call: Commit) -> dict[str, Any]:
+async def _commit(host: Host, call: Commit) -> Reply:
     directory = _absolute(call.directory)
     return await host.checkpoints.commit(
         call.checkpoint_id, call.deadline, directory, call.capture_keys
     )
 
 
-async def _resume(host: Host, call: Resume) -> dict[str, Any]:
+async def _resume(host: Host, call: Resume) -> Reply:
     return host.checkpoints.resume(call.checkpoint_id)
 
 
-async def _restore(host: Host, call: Restore) -> dict[str, Any]:
+async def _restore(host: Host, call: Restore) -> Reply:
     directory = _absolute(call.directory)
     return host.checkpoints.restore(call.checkpoint_id, directory, call.capture_keys, call.lease_s)
 
 
-async def _retire(host: Host, call: Retire) -> dict[str, Any]:
+async def _retire(host: Host, call: Retire) -> Reply:
     rollouts = [(rollout.rollout_id, rollout.attempt) for rollout in call.rollouts]
     return await host.checkpoints.retire(call.checkpoint_id, call.deadline, rollouts)
 
 
-async def _forget(host: Host, call: Forget) -> dict[str, Any]:
+async def _forget(host: Host, call: Forget) -> Reply:
     return host.checkpoints.forget(call.checkpoint_id, call.rollout_ids)
 
 
-Operation = Callable[[Host, Any], Awaitable[dict[str, Any]]]
+Operation = Callable[[Host, Any], Awaitable[Reply]]
 OPERATIONS: Final[dict[str, Operation]] = {
     "prepare": _prepare,
     "renew": _renew,
@@ -116,7 +117,7 @@ def _authorize(host: Host, head: h11.Request) -> None:
 
 async def answer_status(host: Host, conn: HttpConnection, head: h11.Request) -> None:
     _authorize(host, head)
-    await send_json(conn, 200, host.checkpoints.status())
+    await send_json(conn, 200, host.checkpoints.status().model_dump(mode="json"))
 
 
 async def answer_operation(host: Host, conn: HttpConnection, head: h11.Request) -> None:
@@ -138,4 +139,5 @@ async def answer_operation(host: Host, conn: HttpConnection, head: h11.Request) 
             ErrorCode.DEADLINE_EXCEEDED,
             f"{name}: its deadline had passed when it arrived; check the clocks or the timeout",
         )
-    await send_json(conn, 200, await operation(host, call))
+    reply = await operation(host, call)
+    await send_json(conn, 200, reply.model_dump(mode="json"))

@@ -11,7 +11,9 @@ one is ``stale_attempt``; while admission is closed (a checkpoint), a new episod
 ``admission_closed``, but a restored episode's own re-dispatch is admitted. It also implements
 the runner's :class:`~trio_gym.runners.base.EpisodeHooks`: at a boundary an episode records its
 state and, while a checkpoint wants episodes parked, waits there; a ``replay`` step is run in a
-cancel scope that a checkpoint may cancel.
+cancel scope that a checkpoint may cancel. Whether admission is open and whether episodes park
+is the checkpoint phase's to say (:mod:`~trio_gym.host.checkpoint_phases`); the registry
+follows its moves.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import trio
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.protocol.identity import EpisodeId
 from trio_gym.runners.base import ExampleContext, StepInterrupted, StepMode
+
+from .checkpoint_phases import CheckpointPhases, Conduct
 
 T = TypeVar("T")
 
@@ -67,7 +71,11 @@ class Episodes:
     every change, never by polling.
     """
 
-    def __init__(self, *, runner_reports_boundaries: Callable[[], bool]) -> None:
+    def __init__(
+        self, phases: CheckpointPhases, *, runner_reports_boundaries: Callable[[], bool]
+    ) -> None:
+        self._phases = phases
+        phases.on_move = self._phase_moved
         self.live: dict[str, LiveEpisode] = {}
         self.restored: dict[str, RestoredEpisode] = {}
         self.retired: dict[str, int] = {}
@@ -76,14 +84,20 @@ class Episodes:
         """Rollout id -> the attempt a restore installed; older attempts are stale."""
         self.consumed: dict[str, str] = {}
         """Capture key -> rollout id of restored episodes already re-dispatched (exactly once)."""
-        self.admission_open = True
-        self.parking = False
         self.boundaries = 0
         self._release: trio.Event = trio.Event()
         self._changed = trio.Event()
         self._reports_boundaries = runner_reports_boundaries
         self.on_park: Callable[[LiveEpisode], None] = lambda live: None
         """Called when an episode parks (the checkpoint freezes its batch's deadline)."""
+
+    @property
+    def admission_open(self) -> bool:
+        return self._phases.conduct.admission_open
+
+    @property
+    def parking(self) -> bool:
+        return self._phases.conduct.parking
 
     # --- changes and waiting ------------------------------------------------------------
 
@@ -189,25 +203,16 @@ class Episodes:
 
     # --- what checkpoints do ----------------------------------------------------------------
 
-    def start_parking(self) -> None:
-        """Close admission and ask every episode to park at its next boundary."""
-        self.admission_open = False
-        self.parking = True
-        for live in self.live.values():
-            if live.replay_scope is not None:
-                live.replay_scope.cancel()
-        self._note()
-
-    def release(self, *, reopen: bool) -> None:
-        """Let parked episodes continue; reopen admission if asked."""
-        self.parking = False
-        self.admission_open = self.admission_open or reopen
-        self._release.set()
-        self._release = trio.Event()
-        self._note()
-
-    def close_admission(self) -> None:
-        self.admission_open = False
+    def _phase_moved(self, before: Conduct, after: Conduct) -> None:
+        """Parking begins: cut replay steps short (their episodes park at the boundary before
+        them). Parking ends: let parked episodes go on. Either way, waiters look again."""
+        if after.parking and not before.parking:
+            for live in self.live.values():
+                if live.replay_scope is not None:
+                    live.replay_scope.cancel()
+        if before.parking and not after.parking:
+            self._release.set()
+            self._release = trio.Event()
         self._note()
 
     def blockers(self) -> list[LiveEpisode]:

@@ -22,6 +22,7 @@ from trio_gym.runners.base import StateParticipant, start_progress_to
 from trio_gym.runners.gym import GymDeployment, GymReady, GymStartFailed
 
 from .checkpoint import Checkpoints
+from .checkpoint_phases import CheckpointPhases
 from .episodes import Episodes
 from .pacer import Pacer
 
@@ -130,12 +131,16 @@ class Host:
         """Around the start-up stages: a Gym that ends meanwhile ends them."""
         self._gym = trio.CancelScope()
         """Around the Gym deployment's task: a start-up that fails after Gym started stops it."""
+        phases = CheckpointPhases()
         self.episodes = Episodes(
+            phases,
             runner_reports_boundaries=lambda: bool(
                 getattr(self._runner, "reports_boundaries", False)
-            )
+            ),
         )
-        self.checkpoints = Checkpoints(self.episodes, self._state_participant, wall_time=wall_time)
+        self.checkpoints = Checkpoints(
+            phases, self.episodes, self._state_participant, wall_time=wall_time
+        )
         self.pacer = Pacer()
         """Wakes every batch's heartbeat (one timer for all of them; see ``pacer``)."""
         if runner is not None:
