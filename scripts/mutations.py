@@ -394,11 +394,8 @@ MUTATIONS = [
     Mutation(
         "a failed example ends the row stream (cancelling its siblings)",
         "trio_gym/host/rows.py",
-        "        except ExampleFailed as failure:\n"
-        "            error = WireError(failure.code, describe_failure(failure))",
-        "        except ExampleFailed as failure:\n"
-        "            raise\n"
-        "            error = WireError(failure.code, describe_failure(failure))",
+        "    work = partial(run_examples, host, examples, episodes, finished, failed)",
+        "    work = partial(run_examples, host, examples, episodes, finished)",
         ("tests/test_rows.py::test_a_failed_example_is_a_sidecar_row_and_the_stream_goes_on",),
     ),
     Mutation(
@@ -754,6 +751,13 @@ MUTATIONS = [
             "tests/test_errors.py::test_a_single_error_surfaces_as_itself_with_its_own_cause",
             "tests/test_client.py::test_a_bug_in_this_process_propagates_as_itself",
         ),
+    ),
+    Mutation(
+        "a failure handed over still cancels the other examples (#15)",
+        "trio_gym/host/batch.py",
+        "            failed(live.index, failure)",
+        "            failed(live.index, failure)\n            raise",
+        ("tests/test_rows.py::test_a_failed_example_is_a_sidecar_row_and_the_stream_goes_on",),
     ),
     Mutation(
         "a checkpoint phase moved where the table has no move (#15)",
@@ -1641,7 +1645,10 @@ def run(mutation: Mutation) -> bool:
                 print(f"STALE   {mutation.name}\n        {old!r} is not in {file} exactly once")
                 return False
             target.write_text(source.replace(old, new))
-        command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider"]
+        # A temporary base of its own: pytest prunes all but the newest few base directories
+        # under the shared default, which would delete the files of a suite running meanwhile.
+        basetemp = f"--basetemp={Path(scratch) / 'pytest'}"
+        command = [sys.executable, "-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", basetemp]
         try:
             result = subprocess.run(
                 [*command, *mutation.tests],

@@ -7,10 +7,9 @@ The real nemo-gym is in ``tests/test_gym_real.py``.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
+import secrets
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -23,7 +22,7 @@ import trio
 
 from tests.helpers import request_bytes, running_host, tcp_exchange
 from tests.packages import native_package
-from tests.processes import LogReader, processes_with, serve_process
+from tests.processes import LogReader, kill_all, processes_with, serve_process
 from trio_gym.config import ServeConfig, load_serve_config
 from trio_gym.host import Host
 from trio_gym.host.state import Failed
@@ -44,15 +43,18 @@ ROW = {"agent_ref": {"name": "fake_agent"}, "responses_create_params": {"input":
 
 
 @pytest.fixture
-def fake_gym_python(tmp_path: Path) -> str:
-    """An interpreter whose ``nemo_gym`` is the stand-in."""
+def fake_gym_python(tmp_path: Path) -> Iterator[str]:
+    """An interpreter whose ``nemo_gym`` is the stand-in. Whatever a failed test left of its
+    stand-ins is killed after it — only its own: another test session may run some meanwhile."""
+    token = secrets.token_hex(8)
     script = tmp_path / "gym-python"
     path = f'"{FAKE_GYM}:{REPO}${{PYTHONPATH:+:$PYTHONPATH}}"'
     script.write_text(
-        f'#!/bin/sh\nTRIO_GYM_FAKE_GYM=1 PYTHONPATH={path} exec "{sys.executable}" "$@"\n'
+        f'#!/bin/sh\nTRIO_GYM_FAKE_GYM={token} PYTHONPATH={path} exec "{sys.executable}" "$@"\n'
     )
     script.chmod(0o755)
-    return str(script)
+    yield str(script)
+    kill_all("TRIO_GYM_FAKE_GYM", token)
 
 
 def started_with(work: Path) -> dict[str, Any]:
@@ -63,15 +65,6 @@ def started_with(work: Path) -> dict[str, Any]:
 def gym_processes(tag: str) -> list[int]:
     """Every live process of the deployment tagged ``tag`` (the tag is inherited)."""
     return processes_with(DEPLOYMENT_VARIABLE, tag)
-
-
-@pytest.fixture(autouse=True)
-def no_leftover_gym() -> Iterator[None]:
-    """Kill what a failed test left of a stand-in Gym (the rule it checks was broken)."""
-    yield
-    for pid in processes_with("TRIO_GYM_FAKE_GYM", "1"):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
 
 
 async def until_no_gym_process(tag: str) -> None:

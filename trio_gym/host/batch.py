@@ -6,7 +6,7 @@ import enum
 import logging
 import secrets
 import traceback
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -101,24 +101,33 @@ async def run_examples(
     host: Host,
     examples: Sequence[Mapping[str, Any]],
     episodes: Sequence[LiveEpisode],
-    document: ResultsDocument,
+    finished: Callable[[int, Any], None],
+    failed: Callable[[int, ExampleFailed], None] | None = None,
 ) -> None:
-    """Run every (admitted) example at once; each result goes into ``document`` as it finishes.
+    """Run every admitted episode's example at once; ``finished(index, result)`` as each ends.
 
-    Raises :class:`ExampleFailed` if one failed (in an ``ExceptionGroup`` when several ran:
-    every other example is then cancelled). Cancelling the caller cancels every example. A
-    batch of one runs in the caller's task: no nursery, no task, for the commonest batch.
+    With ``failed``, a failure is handed to it and the others run on (the per-row answer).
+    Without, it raises :class:`ExampleFailed` (in an ``ExceptionGroup`` when several ran: every
+    other example is then cancelled). Cancelling the caller cancels every example. A batch of
+    one runs in the caller's task: no nursery, no task, for the commonest batch.
     """
 
-    async def run_into_place(index: int) -> None:
-        document.add(index, await run_example(host, examples[index], episodes[index]))
+    async def run_one(live: LiveEpisode) -> None:
+        try:
+            result = await run_example(host, examples[live.index], live)
+        except ExampleFailed as failure:
+            if failed is None:
+                raise
+            failed(live.index, failure)
+        else:
+            finished(live.index, result)
 
-    if len(examples) == 1:
-        await run_into_place(0)
+    if len(episodes) == 1:
+        await run_one(episodes[0])
         return
     async with trio.open_nursery() as nursery:
-        for index in range(len(examples)):
-            nursery.start_soon(run_into_place, index)
+        for live in episodes:
+            nursery.start_soon(run_one, live)
 
 
 async def run_example(host: Host, example: Mapping[str, Any], episode: LiveEpisode) -> Any:

@@ -264,19 +264,12 @@ async def _answer_with_document(
     async def work() -> None:
         nonlocal failures
         try:
-            await run_examples(host, examples, episodes, document)
+            await run_examples(host, examples, episodes, document.add)
         except* ExampleFailed as group:
             failures = leaves(group)
 
     stopped = await supervise(
-        host,
-        conn,
-        body,
-        heartbeat=HEARTBEAT,
-        deadline_s=deadline_s,
-        examples_count=len(examples),
-        batch_id=batch.id,
-        work=work,
+        host, conn, body, batch, heartbeat=HEARTBEAT, deadline_s=deadline_s, work=work
     )
     if failures:
         answer = Answer.failure(batch_error(failures))

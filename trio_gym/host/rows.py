@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Final
 
 import trio
@@ -21,7 +22,7 @@ import trio
 from trio_gym.errors import ErrorCode, WireError, leaves
 from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, encode_json
 
-from .batch import Batch, BatchState, ExampleFailed, describe_failure, run_example
+from .batch import Batch, BatchState, ExampleFailed, describe_failure, run_examples
 from .episodes import LiveEpisode
 from .state import Host
 from .supervision import supervise
@@ -79,20 +80,15 @@ async def answer_with_rows(
         if isinstance(entry, WireError):
             rows_in.send_nowait((sidecar_line(index, entry), False))
 
-    async def run_one(index: int, episode: LiveEpisode) -> None:
-        try:
-            result = await run_example(host, examples[index], episode)
-        except ExampleFailed as failure:
-            error = WireError(failure.code, describe_failure(failure))
-            rows_in.send_nowait((sidecar_line(index, error), False))
-        else:
-            rows_in.send_nowait(row_line(index, result, limit))
+    def finished(index: int, result: Any) -> None:
+        rows_in.send_nowait(row_line(index, result, limit))
 
-    async def work() -> None:
-        async with trio.open_nursery() as nursery:
-            for index, entry in enumerate(admitted):
-                if isinstance(entry, LiveEpisode):
-                    nursery.start_soon(run_one, index, entry)
+    def failed(index: int, failure: ExampleFailed) -> None:
+        error = WireError(failure.code, describe_failure(failure))
+        rows_in.send_nowait((sidecar_line(index, error), False))
+
+    episodes = [entry for entry in admitted if isinstance(entry, LiveEpisode)]
+    work = partial(run_examples, host, examples, episodes, finished, failed)
 
     async def write_rows() -> None:
         async for line, ok in rows_out:
@@ -102,14 +98,7 @@ async def answer_with_rows(
     async def run_and_close() -> WireError | None:
         with rows_in:
             return await supervise(
-                host,
-                conn,
-                body,
-                heartbeat=ROW_HEARTBEAT,
-                deadline_s=deadline_s,
-                examples_count=len(examples),
-                batch_id=batch.id,
-                work=work,
+                host, conn, body, batch, heartbeat=ROW_HEARTBEAT, deadline_s=deadline_s, work=work
             )
 
     stopped: WireError | None = None

@@ -27,6 +27,7 @@ import trio
 from trio_gym.errors import ErrorCode, WireError, leaves
 from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection
 
+from .batch import Batch
 from .pacer import Beat, Pacer
 from .state import Host
 
@@ -40,14 +41,13 @@ async def supervise(
     host: Host,
     conn: HttpConnection,
     body: ChunkedBody | None,
+    batch: Batch,
     *,
     heartbeat: bytes,
     deadline_s: float,
-    examples_count: int,
-    batch_id: str,
     work: Callable[[], Awaitable[None]],
 ) -> WireError | None:
-    """Run ``work`` (the examples) beside the heartbeat and the watchers.
+    """Run ``work`` (the batch's examples) beside the heartbeat and the watchers.
 
     ``body`` is the started chunked answer (``None`` for HTTP/1.0: no heartbeat, no probes).
     Returns ``None`` when ``work`` finished, or the ``deadline_exceeded`` / ``shutting_down``
@@ -72,12 +72,12 @@ async def supervise(
                 pacing = pacer.start_every(host.config.heartbeat_interval_s, beat)
             host.cancel_on_shutdown(examples_scope)
             # Tracked so that time spent in a checkpoint does not count against the deadline.
-            host.checkpoints.track_batch(batch_id, examples_scope)
+            host.checkpoints.track_batch(batch.id, examples_scope)
             try:
                 with examples_scope:
                     await work()
             finally:
-                host.checkpoints.untrack_batch(batch_id)
+                host.checkpoints.untrack_batch(batch.id)
                 host.forget_on_shutdown(examples_scope)
                 if pacing is not None:
                     pacing.stop()
@@ -97,7 +97,7 @@ async def supervise(
         )
     return WireError(
         ErrorCode.DEADLINE_EXCEEDED,
-        f"the batch of {examples_count} examples outlived its deadline of {deadline_s:g} s and "
+        f"the batch of {batch.size} examples outlived its deadline of {deadline_s:g} s and "
         "its unfinished examples were cancelled; send fewer or shorter examples per request, "
         "or a larger deadline_s (capped by NMP_ROLLOUT_DEADLINE_S)",
     )
