@@ -1013,7 +1013,7 @@ MUTATIONS = [
     Mutation(
         "dropped attempts not retired before prepare",
         "trio_gym/trainer/coordinator.py",
-        "        await self._every_host(dispatcher.retire_queued)",
+        "        await self._hosts.call(dispatcher.retire_queued)",
         "        pass",
         (
             "tests/test_dispatch.py::test_a_dropped_group_is_retired_by_the_next_checkpoint_before_prepare",
@@ -1092,8 +1092,30 @@ MUTATIONS = [
         ("tests/test_coordinator.py::test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint",),
     ),
     Mutation(
+        "a control reply read without checking that it fits the contract",
+        "trio_gym/trainer/control.py",
+        "        return model.model_validate(document)",
+        "        return model.model_construct(**document)",
+        (
+            "tests/test_control_replies.py::test_a_prepare_reply_that_does_not_fit_aborts_the_checkpoint",
+            "tests/test_control_replies.py::test_a_status_reply_that_does_not_fit_aborts_a_take_over",
+            "tests/test_control_replies.py::test_a_restore_reply_that_does_not_fit_is_undone_on_every_host",
+            "tests/test_control_replies.py::test_a_retire_reply_that_does_not_fit_keeps_the_attempts_queued",
+            "tests/test_coordinator.py::test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint",
+        ),
+    ),
+    Mutation(
+        "a host in a checkpoint that names none taken for idle",
+        "trio_gym/trainer/restore.py",
+        "    if status.checkpoint_id is None:",
+        "    if False:",
+        (
+            "tests/test_control_replies.py::test_a_status_reply_that_does_not_fit_aborts_a_take_over",
+        ),
+    ),
+    Mutation(
         "restore skips the topology check (host names)",
-        "trio_gym/trainer/coordinator.py",
+        "trio_gym/trainer/restore.py",
         "        if named != set(self.dispatcher.hosts):",
         "        if False:",
         (
@@ -1102,7 +1124,7 @@ MUTATIONS = [
     ),
     Mutation(
         "restore skips the topology check (live participants)",
-        "trio_gym/trainer/coordinator.py",
+        "trio_gym/trainer/restore.py",
         "        statuses = await self._check_live_topology(manifest)",
         "        statuses = await self._statuses()",
         (
@@ -1112,21 +1134,21 @@ MUTATIONS = [
     ),
     Mutation(
         "restore skips the committed digests",
-        "trio_gym/trainer/coordinator.py",
+        "trio_gym/trainer/restore.py",
         "            if on_disk != committed:",
         "            if False:",
         ("tests/test_coordinator.py::test_an_export_swapped_for_another_commit_is_refused",),
     ),
     Mutation(
         "a failed restore left installed on the other hosts",
-        "trio_gym/trainer/coordinator.py",
+        "trio_gym/trainer/restore.py",
         "            await self._undo_restore(restore_id, successors)",
         "            pass",
         ("tests/test_coordinator.py::test_a_failed_restore_on_one_host_is_undone_on_every_host",),
     ),
     Mutation(
         "restored episodes dispatched as the same attempt",
-        "trio_gym/trainer/coordinator.py",
+        "trio_gym/trainer/restore.py",
         "                    restored.append(ledger.next_attempt(key).capture_key)",
         "                    restored.append(key)",
         (
@@ -1137,7 +1159,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a new trainer process reuses the rollout ids of the one before",
-        "trio_gym/trainer/coordinator.py",
+        "trio_gym/trainer/restore.py",
         "Ledger.from_json(manifest.ledger, incarnation=uuid.uuid4().hex[:8])",
         "Ledger.from_json(manifest.ledger)",
         (
@@ -1232,7 +1254,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a restore brings back a group the trainer gave up",
-        "trio_gym/trainer/coordinator.py",
+        "trio_gym/trainer/restore.py",
         "            if not group.dropped\n",
         "            if True\n",
         (

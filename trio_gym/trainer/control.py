@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, TypeVar
 
 import trio
+from pydantic import ValidationError
 
-from trio_gym.errors import quote_body
+from trio_gym.errors import describe_validation_error, quote_body
 from trio_gym.http import (
     BodyFailed,
     Endpoint,
@@ -25,9 +26,11 @@ from trio_gym.http import (
     exchange,
     open_tcp,
 )
-from trio_gym.protocol.control import REQUESTS, RetireRollout, path
+from trio_gym.protocol.control import REQUESTS, Reply, RetireRollout, path
 
 REPLY_GRACE_S: Final = 5.0
+
+R = TypeVar("R", bound=Reply)
 
 
 class ControlError(Exception):
@@ -52,10 +55,31 @@ class ControlTimeout(ControlError):
     """No reply within the call's deadline plus the reply grace (or no connection at all)."""
 
 
+class ReplyMismatch(ControlError):
+    """The host answered, but not with the reply the protocol gives that operation."""
+
+
 def _rebuild(kind: type[ControlError], message: str, code: str, status: int) -> ControlError:
     """Unpickle a control error as its own class (it crosses process boundaries to trainers'
     workers)."""
     return kind(message, code=code, status=status)
+
+
+def reply_as(model: type[R], document: Mapping[str, Any], operation: str, host: str) -> R:
+    """``host``'s reply to ``operation`` read as the protocol's ``model`` of it.
+
+    :class:`HostControl` hands back the JSON the host sent; a caller that acts on a reply reads
+    it through here, so a reply that does not fit is one :class:`ReplyMismatch` naming the host,
+    the operation and every field that does not fit, never a ``KeyError`` or a default."""
+    try:
+        return model.model_validate(document)
+    except ValidationError as exc:
+        raise ReplyMismatch(
+            f"{host}'s {operation} reply does not fit the contract: "
+            f"{describe_validation_error(exc)}",
+            code="bad_reply",
+            status=200,
+        ) from exc
 
 
 class HostControl:

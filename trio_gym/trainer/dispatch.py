@@ -42,9 +42,10 @@ import trio
 from trio_gym.errors import raise_unwrapped
 from trio_gym.http import ConnectFailed
 from trio_gym.logs import log_event
+from trio_gym.protocol.control import RetireReply
 from trio_gym.protocol.identity import ATTEMPT_KEY, ROLLOUT_ID_KEY
 from trio_gym.trainer.client import ClientSettings, RolloutClient
-from trio_gym.trainer.control import ControlError, HostControl
+from trio_gym.trainer.control import ControlError, HostControl, reply_as
 from trio_gym.trainer.deadlines import DeadlineRegistry
 from trio_gym.trainer.errors import Origin, RolloutError
 from trio_gym.trainer.gate import DispatchGate
@@ -386,7 +387,8 @@ class Dispatcher:
 
     async def retire_queued(self, host: str) -> None:
         """Retire what ``host`` may still run of attempts the ledger gave up; those retired
-        are forgotten here, the rest stay queued. Raises :class:`ControlError`."""
+        are forgotten here, the rest stay queued. Raises :class:`ControlError` (a
+        :class:`~trio_gym.trainer.control.ReplyMismatch` for a reply that does not fit)."""
         queued = sorted(self.to_retire.get(host, ()))
         if not queued:
             return
@@ -394,8 +396,7 @@ class Dispatcher:
         reply = await control.retire(
             f"retire-{uuid.uuid4().hex[:16]}", queued, timeout_s=self.settings.retire_timeout_s
         )
-        stopping = reply.get("still_stopping")
-        still = stopping.get("count") if isinstance(stopping, dict) else "unknown"
+        still = reply_as(RetireReply, reply, "retire", host).still_stopping.count
         if still != 0:  # marked, but some copies had not ended by the deadline: not done yet
             log_event("retire_unfinished", host=host, still_stopping=still)
             return
