@@ -10,7 +10,14 @@ import pytest
 import trio
 
 from tests.checkpoint_rig import TOKEN, episode, rig, wall
-from tests.helpers import URL, CountingRunner, exchange, in_memory, request_bytes
+from tests.helpers import (
+    URL,
+    CountingRunner,
+    ScriptedRunner,
+    exchange,
+    in_memory,
+    request_bytes,
+)
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
 from trio_gym.protocol.export import MANIFEST, read_export, write_records
@@ -291,8 +298,6 @@ async def test_a_restore_with_the_wrong_participants_changes_nothing(
 async def test_episodes_that_cannot_be_captured_are_restarts_never_waited_for_or_exported(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
-    from tests.helpers import ScriptedRunner
-
     runner = CountingRunner(ScriptedRunner())  # reports no boundaries: an opaque agent
     host = Host(ServeConfig(port=0, control_token=TOKEN), runner=runner, wall_time=wall)
     async with trio.open_nursery() as nursery:

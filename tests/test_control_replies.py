@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from tests.fleet import TOKEN, Fleet, calendar, fleet, wall
+from trio_gym.protocol.control import CheckpointPhase
 from trio_gym.trainer.control import HostControl, ReplyMismatch
 from trio_gym.trainer.coordinator import CheckpointAborted, RestoreFailed
 from trio_gym.trainer.manifest import MANIFEST_NAME
@@ -52,7 +53,7 @@ def tamper(f: Fleet, host: str, operation: str, change: Change) -> None:
 
 
 def idle(f: Fleet) -> bool:
-    return all(h.checkpoints.status()["phase"] == "idle" for h in f.hosts.values())
+    return all(h.checkpoints.status().phase == CheckpointPhase.IDLE for h in f.hosts.values())
 
 
 async def test_a_prepare_reply_that_does_not_fit_aborts_the_checkpoint(
@@ -114,7 +115,7 @@ async def test_a_restore_reply_that_does_not_fit_is_undone_on_every_host(
         ):
             await f.coordinator.restore(tmp_path / "c1")
         assert idle(f) and not f.dispatcher.ledger.groups
-        assert all(h.checkpoints.status()["counts"]["restored"] == 0 for h in f.hosts.values())
+        assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
 
 
 async def test_a_retire_reply_that_does_not_fit_keeps_the_attempts_queued(

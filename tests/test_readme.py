@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 from pathlib import Path
 
+import trio
 import yaml
 
+from tests.helpers import CountingRunner, running_host
+from tests.processes import serve_process
 from trio_gym.config import load_caller_config, load_serve_config
+from trio_gym.runners import ExampleContext, Runner
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -41,12 +47,6 @@ def test_the_caller_config_example_is_a_valid_caller_config() -> None:
 
 
 async def test_the_trainer_program_runs_against_a_live_host(tmp_path: Path) -> None:
-    import sys
-
-    import trio
-
-    from tests.helpers import CountingRunner, running_host
-
     program = next(b for b in code_blocks("python") if "RolloutClient(" in b)
     async with running_host(runner=CountingRunner()) as (host, port):
         script = tmp_path / "trainer.py"
@@ -59,8 +59,6 @@ async def test_the_trainer_program_runs_against_a_live_host(tmp_path: Path) -> N
 
 
 async def test_the_runner_example_is_a_runner_that_runs() -> None:
-    from trio_gym.runners import ExampleContext, Runner
-
     block = next(b for b in code_blocks("python") if "class MyRunner" in b)
     namespace: dict[str, object] = {}
     exec(compile(block, "README.md", "exec"), namespace)
@@ -78,12 +76,6 @@ async def test_the_runner_example_is_a_runner_that_runs() -> None:
 
 
 async def test_the_row_stream_program_runs_against_a_live_host(tmp_path: Path) -> None:
-    import sys
-
-    import trio
-
-    from tests.helpers import CountingRunner, running_host
-
     program = next(b for b in code_blocks("python") if "client.stream(" in b)
     async with running_host(runner=CountingRunner()) as (host, port):
         script = tmp_path / "rows.py"
@@ -103,13 +95,6 @@ def test_the_checkpoint_example_compiles() -> None:
 async def test_the_checkpointing_program_checkpoints_then_restores_against_a_live_host(
     tmp_path: Path,
 ) -> None:
-    import json
-    import sys
-
-    import trio
-
-    from tests.test_cli import serve_process
-
     program = next(b for b in code_blocks("python") if "CheckpointCoordinator(" in b)
     env = {"NMP_CONTROL_TOKEN": "change-me", "NMP_HEARTBEAT_INTERVAL_S": "0.2"}
     async with serve_process(env=env) as (_, _, port):

@@ -8,7 +8,7 @@ from typing import Any
 import trio
 import trio.testing
 
-from tests.helpers import CountingRunner, exchange, request_bytes
+from tests.helpers import CountingRunner, ScriptedRunner, exchange, request_bytes
 from tests.streams import socket_like_pair
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
@@ -128,8 +128,6 @@ async def test_accept_with_parameters_and_alternatives_selects_rows(
 async def test_big_rows_finishing_together_are_never_interleaved(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    from tests.helpers import ScriptedRunner
-
     host = Host(ServeConfig(port=0, heartbeat_interval_s=1), runner=ScriptedRunner())
     big = "x" * (600 * 1024)  # each row is more than two 256 KiB pieces
     examples = [{"sleep_s": 3, "result": {"blob": big, "n": i}} for i in range(3)]
