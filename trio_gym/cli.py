@@ -30,6 +30,7 @@ from trio_gym.trainer.batch_file import run_file
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("port", int, "TCP port, 0 for any free one (default 8080)"),
+    "--port-file": ("port_file", str, "once listening, write the bound port to this file"),
     "--runner": (
         "runner",
         str,
