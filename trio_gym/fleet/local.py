@@ -78,6 +78,18 @@ class LocalProvider:
         running = self._running.get(handle.name)
         return running is not None and not running.tree.ended
 
+    def host_pid(self, handle: HostHandle) -> int | None:
+        """The pid of ``handle``'s host process while it runs (the guard's one child)."""
+        running = self._running.get(handle.name)
+        if running is None or running.tree.ended:
+            return None
+        guard = running.tree.guard.pid
+        try:
+            children = Path(f"/proc/{guard}/task/{guard}/children").read_text().split()
+        except OSError:
+            return None
+        return int(children[0]) if children else None
+
     async def replace(self, handle: HostHandle) -> HostHandle:
         running = self._running.get(handle.name)
         if running is not None:

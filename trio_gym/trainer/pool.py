@@ -80,6 +80,8 @@ class _Member:
     ejected: str | None = None
     """Why it is out of the pool."""
     last_error: RolloutError | None = None
+    in_flight: int = 0
+    """Chunks sent to it and not yet answered."""
 
 
 class _Batch:
@@ -252,14 +254,26 @@ class HostPool:
         self._changed = trio.Event()
 
     async def _take(self, member: _Member) -> tuple[_Batch, int] | None:
-        """The next chunk for ``member``; ``None`` once it may take none (it failed)."""
+        """The next chunk for ``member`` once it is its turn; ``None`` once it may take none
+        (it failed)."""
         while not (member.suspect or member.ejected):
-            while self._queue:
+            while self._queue and self._turn_of(member):
                 batch, index = self._queue.popleft()
                 if not batch.abandoned:
+                    member.in_flight += 1
+                    self._wake()  # the others' turns changed
                     return batch, index
             await self._changed.wait()
         return None
+
+    def _turn_of(self, member: _Member) -> bool:
+        """Least loaded first: no other healthy host has fewer chunks in flight (the first
+        host's workers would otherwise take every chunk of a small batch)."""
+        return not any(
+            other.in_flight < member.in_flight
+            for other in self._members
+            if other is not member and not other.suspect and other.ejected is None
+        )
 
     async def _serve(self, slot: int) -> None:
         """The pool's ``slot``-th host: its workers while it is healthy, a probe when it
@@ -302,6 +316,8 @@ class HostPool:
                     self.progress.chunk_finished(index, results)
                 finally:
                     batch.in_flight.discard(request)
+                    member.in_flight -= 1
+                    self._wake()
 
     def _failed(self, member: _Member, batch: _Batch, index: int, error: RolloutError) -> None:
         name = member.handle.name
