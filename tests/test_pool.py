@@ -107,7 +107,7 @@ async def eventually(condition: Callable[[], object]) -> None:
 
 
 async def test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced(
-    hosts: Hosts,
+    hosts: Hosts, caplog: pytest.LogCaptureFixture
 ) -> None:
     provider = LocalProvider()
     with trio.fail_after(HANG_GUARD_S):
@@ -115,7 +115,9 @@ async def test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_repla
             provider.hosts(3, hosts.spec()) as handles,
             HostPool(
                 handles,
-                PoolSettings(per_host_in_flight=1, probe_interval_s=0.1),
+                # Probes alone would take 50 failures: the provider saying its process is gone
+                # ejects it at once.
+                PoolSettings(per_host_in_flight=1, probe_interval_s=0.5, max_host_failures=50),
                 client_settings=ClientSettings(chunk_size=2, idle_timeout_s=5),
                 launcher=provider,
             ) as pool,
@@ -139,6 +141,8 @@ async def test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_repla
             results = await pool.run(examples(6, sleep_s=0.2))
             assert len({result["pid"] for result in results}) == 3
             assert killed not in {result["pid"] for result in results}
+    (why,) = [r.trio_gym_fields["why"] for r in caplog.records if r.msg == "host_ejected"]
+    assert why == "its process is gone"
     assert hosts.left_behind() == []
 
 

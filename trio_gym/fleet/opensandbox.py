@@ -267,6 +267,11 @@ class OpenSandboxProvider:
         endpoint = await trio.to_thread.run_sync(sandbox.get_endpoint, self.port)
         address = endpoint.endpoint
         url = address if "://" in address else f"http://{address}"
+        if not url.startswith("http://"):
+            raise LaunchFailed(
+                f"host {name}: the sandbox's port {self.port} is published as {address!r}; "
+                "trio_gym's client speaks plain http:// only (try use_server_proxy=False)"
+            )
         headers = tuple(sorted(endpoint.headers.items()))
         return HostHandle(name, url, headers, control_token=spec.control_token)
 
