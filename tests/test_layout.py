@@ -13,7 +13,9 @@ TRAINER = (
     "trio_gym.trainer.coordinator",
     "trio_gym.trainer.dispatch",
     "trio_gym.trainer.batch_file",
+    "trio_gym.trainer.pool",
 )
+FLEET = ("trio_gym.fleet", "trio_gym.fleet.opensandbox", "trio_gym.fleet.spread")
 PROTOCOL = ("trio_gym.protocol.control", "trio_gym.protocol.export", "trio_gym.protocol.identity")
 
 
@@ -31,8 +33,9 @@ def loaded_by(modules: tuple[str, ...]) -> set[str]:
     [
         (TRAINER, ("trio_gym.host", "trio_gym.runners", "trio_gym.install", "trio_gym.config")),
         (PROTOCOL, ("trio_gym.host", "trio_gym.trainer", "trio_gym.runners", "trio_gym.config")),
+        (FLEET, ("trio_gym.host", "trio_gym.runners", "trio_gym.install")),
     ],
-    ids=["trainer", "protocol"],
+    ids=["trainer", "protocol", "fleet"],
 )
 def test_importing_one_side_loads_nothing_of_the_other(
     modules: tuple[str, ...], never: tuple[str, ...]

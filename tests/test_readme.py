@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -113,3 +114,20 @@ async def test_the_checkpointing_program_checkpoints_then_restores_against_a_liv
     restored = json.loads(second["restored"])  # the second took the first's checkpoint back
     assert len(restored) == exported and all(key.endswith("-a1") for key in restored)
     assert second["consumed"] == str(exported)  # and ran each parked episode once more
+
+
+async def test_the_pool_program_launches_local_hosts_and_answers_every_example(
+    tmp_path: Path,
+) -> None:
+    program = next(b for b in code_blocks("python") if "HostPool(" in b)
+    script = tmp_path / "pool.py"
+    script.write_text(program)
+    with trio.fail_after(120):
+        done = await trio.run_process(
+            [sys.executable, str(script)],
+            capture_stdout=True,
+            capture_stderr=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    assert done.stdout == b"64 of 64 examples answered\n", done.stderr

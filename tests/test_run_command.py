@@ -1,18 +1,22 @@
-"""`trio-gym run FILE.jsonl --url URL`, as a user runs it against a live host."""
+"""`trio-gym run FILE.jsonl --url URL` (or several, or `--launch local:N`), as a user runs it."""
 
 from __future__ import annotations
 
 import json
 import socket
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from tests.helpers import CountingRunner, running_host
+from tests.processes import kill_all, processes_with
 
 HANG_GUARD_S = 60
+POOL_TEST = "TRIO_GYM_POOL_TEST"
 
 
 def write_examples(path: Path, examples: list[Any]) -> Path:
@@ -95,3 +99,86 @@ async def test_a_bad_examples_file_exits_2_naming_the_line(tmp_path: Path) -> No
     done = await trio_gym_run(str(bad), "--url", "http://127.0.0.1:9")
     assert done.returncode == 2
     assert f"{bad}:3: each line must be a JSON object".encode() in done.stderr
+
+
+async def test_run_spreads_the_file_over_every_url_given(tmp_path: Path) -> None:
+    examples = write_examples(tmp_path / "in.jsonl", [{"seed": i} for i in range(12)])
+    first, second = CountingRunner(), CountingRunner()
+    async with (
+        running_host(runner=first) as (_, one),
+        running_host(runner=second) as (_, two),
+    ):
+        done = await trio_gym_run(
+            str(examples),
+            *("--url", f"http://127.0.0.1:{one}", "--url", f"http://127.0.0.1:{two}"),
+            *("--chunk-size", "2", "--max-in-flight", "1"),
+        )
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["seed"] for line in done.stdout.splitlines()] == list(range(12))
+    assert len(first.completed) + len(second.completed) == 12
+    assert first.completed and second.completed
+
+
+def host_config(tmp_path: Path, runner: str, token: str) -> Path:
+    """A caller config for launched hosts: ``runner``, recording to ``tmp_path``."""
+    record = tmp_path / "record.jsonl"
+    record.touch()
+    config = tmp_path / "hosts.yaml"
+    host_env = {"NMP_RUNNER": runner, "TRIO_GYM_TEST_RECORD": str(record), POOL_TEST: token}
+    config.write_text(json.dumps({"host_env": host_env, "work_path": str(tmp_path / "work")}))
+    return config
+
+
+async def test_run_launches_local_hosts_spreads_over_them_and_stops_them(tmp_path: Path) -> None:
+    token = uuid.uuid4().hex
+    examples = write_examples(tmp_path / "in.jsonl", [{"id": i, "sleep_s": 0.1} for i in range(12)])
+    config = host_config(tmp_path, "tests.user_runner:recording", token)
+    try:
+        done = await trio_gym_run(
+            str(examples),
+            *("--launch", "local:3", "--host-config", str(config)),
+            *("--chunk-size", "2", "--max-in-flight", "1"),
+        )
+        assert done.returncode == 0, done.stderr
+        results = [json.loads(line) for line in done.stdout.splitlines()]
+        assert [result["id"] for result in results] == list(range(12))
+        assert len({result["pid"] for result in results}) == 3
+        assert processes_with(POOL_TEST, token) == []
+    finally:
+        kill_all(POOL_TEST, token)
+
+
+async def test_run_says_which_launched_host_failed_to_start_and_why(tmp_path: Path) -> None:
+    token = uuid.uuid4().hex
+    examples = write_examples(tmp_path / "in.jsonl", [{"id": 0}])
+    config = host_config(tmp_path, "tests.user_runner:failing_start", token)
+    try:
+        done = await trio_gym_run(
+            str(examples), "--launch", "local:2", "--host-config", str(config)
+        )
+        assert done.returncode == 1
+        assert b"trio-gym run: could not launch the hosts: host local-" in done.stderr
+        assert b"the model endpoint refused every connection" in done.stderr
+        assert processes_with(POOL_TEST, token) == []
+    finally:
+        kill_all(POOL_TEST, token)
+
+
+@pytest.mark.parametrize(
+    ("hosts", "expected"),
+    [
+        ((), b"give the hosts: --url URL (repeatable) or --launch KIND:N"),
+        (("--launch", "docker:2"), b"--launch 'docker:2': no provider 'docker'; choose ['local']"),
+        (("--launch", "local"), b"--launch 'local': expected KIND:N, e.g. local:4"),
+        (("--launch", "local:0"), b"--launch 'local:0': launch at least one host"),
+        (("--launch", "local:1", "--url", "http://127.0.0.1:9"), b"give --url or --launch, not"),
+        (("--url", "ftp://h"), b"'ftp://h': only http:// URLs are supported"),
+    ],
+)
+async def test_a_choice_of_hosts_that_cannot_work_exits_2_saying_why(
+    tmp_path: Path, hosts: tuple[str, ...], expected: bytes
+) -> None:
+    examples = write_examples(tmp_path / "in.jsonl", [{"id": 0}])
+    done = await trio_gym_run(str(examples), *hosts)
+    assert done.returncode == 2
+    assert expected in done.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,3 +42,37 @@ def factory() -> EchoRunner:
 
 def not_a_runner() -> object:
     return object()
+
+
+class RecordingRunner:
+    """Writes a line to ``$TRIO_GYM_TEST_RECORD`` as each example starts (its ``id`` and this
+    process's pid), then sleeps ``sleep_s``: tests count how often each example ran, and where."""
+
+    async def start(self) -> None:
+        pass
+
+    def check_example(self, example: Mapping[str, Any]) -> None:
+        pass
+
+    async def run_example(self, example: Mapping[str, Any], context: ExampleContext) -> Any:
+        _record(json.dumps({"id": example["id"], "pid": os.getpid()}))
+        await trio.sleep(example.get("sleep_s", 0))
+        return {"id": example["id"], "pid": os.getpid(), "reward": 1.0}
+
+
+def recording() -> RecordingRunner:
+    return RecordingRunner()
+
+
+class FailingStartRunner(RecordingRunner):
+    async def start(self) -> None:
+        raise RuntimeError("the model endpoint refused every connection")
+
+
+def failing_start() -> FailingStartRunner:
+    return FailingStartRunner()
+
+
+def _record(line: str) -> None:
+    with open(os.environ["TRIO_GYM_TEST_RECORD"], "a", encoding="utf-8") as record:
+        record.write(line + "\n")  # one short appended write: lines of several hosts never mix

@@ -1,7 +1,8 @@
 """``trio-gym`` (also ``python -m trio_gym``): argument parsing and nothing else of substance.
 
 Every subcommand is a thin front over the library: ``serve`` over :func:`trio_gym.host.serve`,
-``demo`` over the host and :class:`trio_gym.trainer.RolloutClient`.
+``demo`` over the host and :class:`trio_gym.trainer.RolloutClient`, ``run`` over the client, or
+a pool of hosts (:mod:`trio_gym.fleet.spread`).
 """
 
 from __future__ import annotations
@@ -18,18 +19,29 @@ from typing import Any, Final
 import trio
 
 from trio_gym import logs
-from trio_gym.config import ConfigError, ServeConfig, load_serve_config, parse_agent_pairs
+from trio_gym.config import (
+    ConfigError,
+    ServeConfig,
+    load_caller_config,
+    load_serve_config,
+    parse_agent_pairs,
+    read_config_file,
+)
 from trio_gym.demo import run_demo
 from trio_gym.errors import leaves
+from trio_gym.fleet.launch import HostSpec
+from trio_gym.fleet.spread import Launch, batch_runner
 from trio_gym.host import Host, ListenError, serve
 from trio_gym.install import InstallError, PackageError, install_environment, load_package
 from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.batch_file import run_file
+from trio_gym.trainer.pool import PoolSettings
 
 # serve's flags and the config fields they set (DESIGN §7).
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("port", int, "TCP port, 0 for any free one (default 8080)"),
+    "--port-file": ("port_file", str, "once listening, write the bound port to this file"),
     "--runner": (
         "runner",
         str,
@@ -99,11 +111,34 @@ def _parser() -> argparse.ArgumentParser:
         "exits 1 naming its cause (sandbox, proxy or client).",
     )
     run_cmd.add_argument("examples", type=Path, metavar="FILE.jsonl")
-    run_cmd.add_argument("--url", required=True, help="the host, e.g. http://127.0.0.1:8080")
+    run_cmd.add_argument(
+        "--url",
+        dest="urls",
+        action="append",
+        default=[],
+        help="a host, e.g. http://127.0.0.1:8080; repeat it to spread the file over several",
+    )
+    run_cmd.add_argument(
+        "--launch",
+        metavar="KIND:N",
+        help="launch N hosts for this run and stop them after, e.g. local:4",
+    )
+    run_cmd.add_argument(
+        "--host-config",
+        type=Path,
+        help="with --launch: a caller config (YAML) the launched hosts are started from",
+    )
     run_cmd.add_argument("--out", type=Path, help="write results here (default: stdout)")
     run_cmd.add_argument("--chunk-size", type=int, default=8, help="examples per request (8)")
-    run_cmd.add_argument("--max-in-flight", type=int, default=8, help="requests at once (8)")
-    run_cmd.add_argument("--max-attempts", type=int, default=3, help="tries per chunk (3)")
+    run_cmd.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=8,
+        help="requests at once (8); with several hosts, per host",
+    )
+    run_cmd.add_argument(
+        "--max-attempts", type=int, default=3, help="tries per chunk, with one host (3)"
+    )
     run_cmd.add_argument("--deadline", type=float, help="deadline_s sent with each request")
     run_cmd.add_argument(
         "--http10", action="store_true", help="speak HTTP/1.0 (buffered answers, no heartbeats)"
@@ -262,10 +297,24 @@ def _run(args: argparse.Namespace) -> int:
             host_deadline_s=args.deadline,
             http_version="1.0" if args.http10 else "1.1",
         )
-    except ValueError as exc:
+        run_batch = batch_runner(
+            urls=args.urls,
+            launch=None if args.launch is None else Launch.parse(args.launch),
+            spec=_launched_host_spec(args.host_config),
+            client_settings=settings,
+            pool_settings=PoolSettings(per_host_in_flight=args.max_in_flight),
+        )
+    except (ValueError, ConfigError) as exc:
         print(f"trio-gym run: {exc}", file=sys.stderr)
         return 2
-    return trio.run(run_file, args.examples, args.url, args.out, settings)
+    return trio.run(run_file, args.examples, args.out, args.chunk_size, run_batch)
+
+
+def _launched_host_spec(host_config: Path | None) -> HostSpec:
+    if host_config is None:
+        return HostSpec()
+    data = read_config_file(host_config)
+    return HostSpec.from_caller(load_caller_config(data, source=str(host_config)))
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -42,6 +42,11 @@ class ServeConfig(BaseModel):
 
     host: str = Field(default="127.0.0.1", description="Address to bind.")
     port: int = Field(default=8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
+    port_file: str = Field(
+        default="",
+        description="Once listening, write the bound port here (for a launcher that passed port "
+        "0): the file appears whole, with the port and a newline.",
+    )
     runner: str = Field(
         default="example",
         description="'example', 'agents', 'gym', or a user runner as 'package.module:factory' "
@@ -218,6 +223,7 @@ class ServeConfig(BaseModel):
 ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
     "host": "NMP_RUNTIME_HTTP_HOST",
     "port": "NMP_RUNTIME_HTTP_PORT",
+    "port_file": "NMP_PORT_FILE",
     "runner": "NMP_RUNNER",
     "heartbeat_interval_s": "NMP_HEARTBEAT_INTERVAL_S",
     "rollout_deadline_s": "NMP_ROLLOUT_DEADLINE_S",

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from functools import partial
+from pathlib import Path
 from typing import Final
 
 import h11
@@ -32,7 +34,8 @@ Handler = Callable[[Host, HttpConnection, h11.Request], Awaitable[None]]
 
 
 class ListenError(Exception):
-    """The host could not open its listening socket; the message says what to change."""
+    """The host could not open its listening socket (or say where it listens); the message says
+    what to change."""
 
 
 async def _answer_health(host: Host, conn: HttpConnection, head: h11.Request) -> None:
@@ -177,6 +180,21 @@ async def _answer_internal_error(conn: HttpConnection) -> None:
         await send_json(conn, error.status, error.envelope())
 
 
+def write_port_file(path: Path, port: int) -> None:
+    """Write ``port`` to ``path`` whole (a temporary name, then a rename): a launcher polling for
+    the file never reads half of it. Raises :class:`ListenError` if it cannot be written."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        temporary.write_text(f"{port}\n")
+        os.replace(temporary, path)
+    except OSError as exc:
+        temporary.unlink(missing_ok=True)
+        raise ListenError(
+            f"listening on port {port}, but cannot write the port file {path}: "
+            f"{exc.strerror or exc}; give --port-file (NMP_PORT_FILE) a writable path"
+        ) from exc
+
+
 async def serve(
     host: Host, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -201,6 +219,8 @@ async def serve(
             "choose another --port (NMP_RUNTIME_HTTP_PORT) or stop what holds it"
         ) from exc
     port: int = listeners[0].socket.getsockname()[1]
+    if config.port_file:
+        write_port_file(Path(config.port_file), port)
     # Services outlive every connection: batches answering during the shutdown grace still beat
     # and still reach the Gym deployment. They stop once the last connection has closed.
     async with trio.open_nursery() as services:

@@ -1,4 +1,5 @@
-"""Child processes the host owns: their output logged, their trees stopped with the owner.
+"""Child processes we own (a host's Gym deployment and uv, a trainer's local hosts): their
+output logged, their trees stopped with the owner.
 
 Nothing here knows what the children are (uv, a Gym deployment); it knows how to start them,
 hear them, and make sure none outlives the task — or the process — that owns it.

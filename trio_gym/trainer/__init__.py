@@ -19,6 +19,8 @@ from trio_gym.trainer.dispatch import (
     SealedResult,
 )
 from trio_gym.trainer.errors import Origin, RolloutError
+from trio_gym.trainer.hosts import HostHandle, LaunchFailed
+from trio_gym.trainer.pool import HostPool, PoolSettings
 from trio_gym.trainer.stream import Row, RowError, RowStream, StreamSummary
 
 __all__ = [
@@ -30,7 +32,11 @@ __all__ = [
     "DispatchSettings",
     "Dispatcher",
     "GroupFailed",
+    "HostHandle",
+    "HostPool",
+    "LaunchFailed",
     "Origin",
+    "PoolSettings",
     "Progress",
     "RemoteHost",
     "RestoreFailed",

@@ -6,14 +6,15 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import trio
 
-from trio_gym.trainer.client import ClientSettings, RolloutClient
+from trio_gym.trainer.client import Progress
 from trio_gym.trainer.errors import RolloutError
+from trio_gym.trainer.hosts import LaunchFailed
 
 
 class ExamplesFileError(ValueError):
@@ -100,8 +101,12 @@ def write_results(results: Sequence[Any], out: Path | None) -> None:
         Path(temporary).unlink(missing_ok=True)  # gone already once it was renamed
 
 
+BatchRunner = Callable[[Sequence[Mapping[str, Any]], Progress], Awaitable[list[Any]]]
+"""Runs one batch on the hosts the command was given, telling ``progress`` as it goes."""
+
+
 async def run_file(
-    examples_path: Path, url: str, out: Path | None, settings: ClientSettings
+    examples_path: Path, out: Path | None, chunk_size: int, run_batch: BatchRunner
 ) -> int:
     """The ``trio-gym run`` command: 0 on success, 1 with the attributed cause, 2 bad input."""
     try:
@@ -109,18 +114,15 @@ async def run_file(
     except ExamplesFileError as exc:
         print(f"trio-gym run: {exc}", file=sys.stderr)
         return 2
-    size = settings.chunk_size
-    sizes = [len(examples[i : i + size]) for i in range(0, len(examples), size)]
+    sizes = [len(examples[i : i + chunk_size]) for i in range(0, len(examples), chunk_size)]
     progress = FileProgress(len(examples), sizes, sys.stderr)
     try:
-        client = RolloutClient(url, settings, progress=progress)
-    except ValueError as exc:
-        print(f"trio-gym run: {exc}", file=sys.stderr)
-        return 2
-    try:
-        results = await client.run(examples)
+        results = await run_batch(examples, progress)
     except RolloutError as exc:
         print(f"trio-gym run: failed ({exc.origin.value}): {exc.message}", file=sys.stderr)
+        return 1
+    except LaunchFailed as exc:
+        print(f"trio-gym run: could not launch the hosts: {exc}", file=sys.stderr)
         return 1
     write_results(results, out)
     elapsed = trio.current_time() - progress.started

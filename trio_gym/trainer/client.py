@@ -110,7 +110,8 @@ class RolloutClient:
     ``opener`` makes the connection (default: TCP to the URL's host and port); tests pass one
     that returns in-memory streams to an in-process host, so time can be virtual. With
     ``deadlines``, request deadlines stand still while a holder pauses them (a checkpoint
-    holding admission closed: requests then wait on it, they are not slow).
+    holding admission closed: requests then wait on it, they are not slow). ``headers`` go with
+    every request (a sandbox platform's proxy may route or authorise by them).
     """
 
     def __init__(
@@ -122,8 +123,10 @@ class RolloutClient:
         limits: HttpLimits | None = None,
         opener: StreamOpener = open_tcp,
         deadlines: DeadlineRegistry | None = None,
+        headers: Sequence[tuple[str, str]] = (),
     ) -> None:
         self.endpoint = Endpoint.parse(url)
+        self.headers = tuple(headers)
         self.settings = settings or ClientSettings()
         self.progress: Progress = progress or SilentProgress()
         self.limits = limits or HttpLimits()
@@ -159,7 +162,7 @@ class RolloutClient:
             else:
                 results.extend(answer)
         if failures:
-            raise _batch_failure(failures, len(chunks))
+            raise batch_failure(failures, len(chunks))
         return results
 
     async def _run_chunk(
@@ -225,7 +228,7 @@ class RolloutClient:
                     limits=self.limits,
                     max_response_bytes=self.settings.max_response_bytes,
                     idle_timeout_s=self.settings.idle_timeout_s,
-                    headers=[("content-type", "application/json")],
+                    headers=[("content-type", "application/json"), *self.headers],
                     opener=self.opener,
                     request_version=self.settings.http_version.encode(),
                     on_head=heard.on_head,
@@ -340,7 +343,9 @@ def _deadline_passed(
     )
 
 
-def _batch_failure(failures: list[RolloutError], chunks: int) -> RolloutError:
+def batch_failure(failures: list[RolloutError], chunks: int) -> RolloutError:
+    """One error for a batch whose ``failures`` (of ``chunks``) failed: counted, the first's
+    cause carried."""
     first = failures[0]
     summary = f"{len(failures)} of {chunks} rollout chunk(s) failed"
     if len(failures) == chunks > 1:

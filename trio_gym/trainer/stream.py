@@ -136,7 +136,11 @@ class RowStream:
                     "POST",
                     "/rollouts/run",
                     payload,
-                    headers=[("content-type", "application/json"), ("accept", NDJSON)],
+                    headers=[
+                        ("content-type", "application/json"),
+                        ("accept", NDJSON),
+                        *client.headers,
+                    ],
                 )
             except NoResponse as exc:
                 raise RolloutError(str(exc), origin=Origin.PROXY, retryable=True) from exc

@@ -1,0 +1,11 @@
+"""Launching hosts for a trainer: providers (local processes, OpenSandbox sandboxes, Ray).
+
+Each provider launches hosts, waits until they are ready and stops them when its block ends;
+:class:`~trio_gym.trainer.pool.HostPool` spreads work over them. See :mod:`.launch`.
+"""
+
+from trio_gym.fleet.launch import HostSpec, Provider, wait_ready
+from trio_gym.fleet.local import LocalProvider
+from trio_gym.trainer.hosts import HostHandle, LaunchFailed
+
+__all__ = ["HostHandle", "HostSpec", "LaunchFailed", "LocalProvider", "Provider", "wait_ready"]

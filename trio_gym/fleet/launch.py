@@ -1,0 +1,95 @@
+"""What every provider shares: the spec of the hosts to launch, the provider protocol, and the
+wait for a launched host to be ready.
+
+``async with provider.hosts(n, spec) as hosts:`` launches ``n`` hosts, waits until each
+``/health`` says ``ready`` and hands back their :class:`~trio_gym.trainer.hosts.HostHandle`\\ s;
+leaving the block, however it is left, stops every host the provider launched in it. A host
+that fails to start (its ``/health`` says ``failed``, its process ends, or it is not ready in
+``ready_timeout_s``) fails the launch with :class:`~trio_gym.trainer.hosts.LaunchFailed`,
+naming what was seen and the end of its log; the hosts already up are stopped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
+
+import attrs
+import trio
+
+from trio_gym.config import CallerConfig
+from trio_gym.trainer.hosts import HealthStatus, HostHandle, Launcher, LaunchFailed, probe
+
+
+def _frozen_environment(environment: Mapping[str, str]) -> Mapping[str, str]:
+    return dict(environment)
+
+
+@attrs.frozen
+class HostSpec:
+    """What every host of a launch is."""
+
+    environment: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_environment)
+    """The host's launch environment: the caller config's bootstrap variables, usually."""
+    serve_args: tuple[str, ...] = ()
+    """Further ``trio-gym serve`` flags, where the provider runs the command itself."""
+    control_token: str = attrs.field(default="", repr=False)
+    """Turns the host's checkpoint control plane on (``NMP_CONTROL_TOKEN``)."""
+    ready_timeout_s: float = 120.0
+    stop_grace_s: float = 15.0
+    """After SIGTERM, how long a host gets to answer what it has in flight before SIGKILL."""
+
+    @classmethod
+    def from_caller(cls, caller: CallerConfig, **fields: object) -> HostSpec:
+        """The hosts a trainer's caller config asks for (its bootstrap environment)."""
+        return cls(environment=caller.bootstrap_environment(), **fields)  # type: ignore[arg-type]
+
+    def host_environment(self) -> dict[str, str]:
+        """The variables the host process is given (the control token among them)."""
+        token = {"NMP_CONTROL_TOKEN": self.control_token} if self.control_token else {}
+        return {**self.environment, **token}
+
+
+class Provider(Launcher, Protocol):
+    """Launches hosts and owns them (see the module docstring); also a pool's launcher."""
+
+    def hosts(self, n: int, spec: HostSpec) -> AbstractAsyncContextManager[list[HostHandle]]: ...
+
+
+async def wait_ready(
+    name: str,
+    *,
+    locate: Callable[[], Awaitable[HostHandle | None]],
+    ended: Callable[[], Awaitable[str | None]],
+    log_tail: Callable[[], Awaitable[str]],
+    timeout_s: float,
+    poll_interval_s: float,
+) -> HostHandle:
+    """Poll until the host ``locate`` finds answers ``ready``; its handle.
+
+    ``locate`` gives the handle once the host can be reached (``None`` until then: a port not
+    yet chosen); ``ended`` says how the host's process ended, or ``None`` while it runs. Raises
+    :class:`LaunchFailed` at once on ``failed`` or an end, and after ``timeout_s`` otherwise.
+    """
+    last = "no answer yet"
+    with trio.move_on_after(timeout_s):
+        handle: HostHandle | None = None
+        while True:
+            if (end := await ended()) is not None:
+                raise LaunchFailed(f"host {name} {end} before it was ready; {await log_tail()}")
+            handle = handle or await locate()
+            if handle is not None:
+                health = await probe(handle, timeout_s=max(poll_interval_s, 1.0))
+                if health.status is HealthStatus.READY:
+                    return handle
+                if health.status is HealthStatus.FAILED:
+                    raise LaunchFailed(
+                        f"host {name} failed to start: {health.detail}; {await log_tail()}"
+                    )
+                last = health.detail
+            await trio.sleep(poll_interval_s)
+    raise LaunchFailed(
+        f"host {name} was not ready within {timeout_s:g} s (last /health: {last}); "
+        f"{await log_tail()}"
+    )

@@ -1,0 +1,323 @@
+"""Hosts in OpenSandbox sandboxes, through the ``opensandbox`` SDK (``trio_gym[opensandbox]``).
+
+The SDK's async client is asyncio-only; its sync client is called from trio worker threads.
+Each host is one sandbox whose entrypoint is ``scripts/gym_host.sh`` in the image, started with
+the spec's environment and ``NMP_RUNTIME_HTTP_PORT``; its URL and headers are the endpoint the
+server publishes for that port. Rules:
+
+- **Credentials never reach the host.** The API key goes to the SDK's connection, never into a
+  sandbox's environment, and a spec whose environment carries ``OPEN_SANDBOX_*``,
+  ``OPENSANDBOX_*`` or ``RAY_ADDRESS`` is refused before anything is created (the sandbox's
+  code can read its own environment).
+- **A create whose answer was lost is rolled back.** Every create carries a launch id of its own
+  in the sandbox's metadata; a create that fails is followed by listing sandboxes with that id and
+  killing each, and one that succeeds kills any other sandbox with its id (a create the transport
+  sent twice). The create is tried ``create_attempts`` times, a fresh id each.
+- **The TTL is renewed at half its length** while the block runs: a trainer that dies leaves
+  sandboxes that end by themselves within one TTL.
+- Leaving the block kills every sandbox launched in it (a shielded, bounded kill each).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from datetime import timedelta
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from trio_gym.errors import raise_unwrapped
+from trio_gym.fleet.launch import HostSpec, wait_ready
+from trio_gym.logs import log_event
+from trio_gym.trainer.hosts import HostHandle, LaunchFailed
+
+if TYPE_CHECKING:
+    from opensandbox.sync import SandboxSync
+
+LAUNCH_KEY = "trio-gym-launch"
+"""The metadata key every sandbox is created with: its create attempt's id."""
+NAME_KEY = "trio-gym-host"
+ALIVE_STATES = frozenset({"Pending", "Running"})
+KILL_TIMEOUT_S = 60.0
+"""How long leaving the block waits for one sandbox's kill to be answered."""
+
+_CREDENTIAL_VARIABLE = re.compile(r"^(OPEN_?SANDBOX_.*|RAY_ADDRESS)$")
+
+
+def refuse_credentials(environment: Mapping[str, str]) -> None:
+    """Raise ``ValueError`` naming any variable that would hand the host a platform credential."""
+    found = sorted(name for name in environment if _CREDENTIAL_VARIABLE.match(name))
+    if found:
+        raise ValueError(
+            f"the hosts' environment must not carry {', '.join(found)}: a sandbox's code can "
+            "read its environment; give the provider its credentials instead (api_key=, domain=)"
+        )
+
+
+@attrs.define(eq=False)
+class _Sandbox:
+    sandbox: SandboxSync
+    scope: trio.CancelScope
+
+
+class OpenSandboxProvider:
+    """Launches hosts as OpenSandbox sandboxes; one ``hosts()`` block at a time.
+
+    ``entrypoint`` runs the host inside the image (``gym_host.sh`` and the runtime that has
+    trio_gym); ``port`` is the one it listens on there; ``domain`` and ``api_key`` default to
+    the SDK's own (``OPEN_SANDBOX_DOMAIN``, ``OPEN_SANDBOX_API_KEY``).
+    """
+
+    def __init__(
+        self,
+        *,
+        image: str,
+        entrypoint: Sequence[str],
+        domain: str | None = None,
+        api_key: str | None = None,
+        port: int = 8080,
+        ttl_s: float = 14400.0,
+        resource: Mapping[str, str] | None = None,
+        use_server_proxy: bool = True,
+        create_attempts: int = 2,
+        poll_interval_s: float = 1.0,
+        request_timeout_s: float = 30.0,
+    ) -> None:
+        try:
+            from opensandbox.config import ConnectionConfigSync  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(
+                "the OpenSandbox provider needs the opensandbox SDK: "
+                "pip install 'trio-gym[opensandbox]'"
+            ) from exc
+        if ttl_s <= 0 or create_attempts < 1:
+            raise ValueError("ttl_s must be positive and create_attempts at least 1")
+        self.image = image
+        self.entrypoint = list(entrypoint)
+        self.domain = domain
+        self._api_key = api_key
+        self.port = port
+        self.ttl_s = ttl_s
+        self.resource = dict(resource) if resource else None
+        self.use_server_proxy = use_server_proxy
+        self.create_attempts = create_attempts
+        self.poll_interval_s = poll_interval_s
+        self.request_timeout_s = request_timeout_s
+        self._running: dict[str, _Sandbox] = {}
+        self._numbers = itertools.count()
+        self._launch: tuple[trio.Nursery, HostSpec] | None = None
+
+    @contextlib.asynccontextmanager
+    async def hosts(self, n: int, spec: HostSpec) -> AsyncIterator[list[HostHandle]]:
+        if n < 1:
+            raise ValueError("launch at least one host")
+        refuse_credentials(spec.host_environment())
+        if self._launch is not None:
+            raise RuntimeError("this provider's hosts() block is already open; use another")
+        try:
+            async with trio.open_nursery() as nursery:
+                self._launch = (nursery, spec)
+                try:
+                    yield await self._launch_many(n)
+                finally:
+                    self._launch = None
+                    nursery.cancel_scope.cancel()  # every sandbox's task kills its sandbox
+        except ExceptionGroup as group:
+            raise_unwrapped(group, alike=LaunchFailed)
+
+    def sandbox_id(self, handle: HostHandle) -> str | None:
+        running = self._running.get(handle.name)
+        return None if running is None else running.sandbox.id
+
+    async def alive(self, handle: HostHandle) -> bool:
+        running = self._running.get(handle.name)
+        if running is None:
+            return False
+        return await trio.to_thread.run_sync(_state, running.sandbox) in ALIVE_STATES
+
+    async def replace(self, handle: HostHandle) -> HostHandle:
+        running = self._running.get(handle.name)
+        if running is not None:
+            running.scope.cancel()
+        return await self._launch_one(self._new_name())
+
+    def _new_name(self) -> str:
+        return f"sandbox-{next(self._numbers)}"
+
+    async def _launch_many(self, n: int) -> list[HostHandle]:
+        names = [self._new_name() for _ in range(n)]
+        handles: list[HostHandle | None] = [None] * n
+
+        async def launch(index: int) -> None:
+            handles[index] = await self._launch_one(names[index])
+
+        try:
+            async with trio.open_nursery() as launching:
+                for index in range(n):
+                    launching.start_soon(launch, index)
+        except ExceptionGroup as group:
+            raise_unwrapped(group, alike=LaunchFailed)
+        return [handle for handle in handles if handle is not None]
+
+    async def _launch_one(self, name: str) -> HostHandle:
+        if self._launch is None:
+            raise RuntimeError("hosts are launched inside a hosts() block")
+        nursery, _ = self._launch
+        handle: HostHandle = await nursery.start(self._run_host, name)
+        return handle
+
+    async def _run_host(
+        self, name: str, *, task_status: trio.TaskStatus[HostHandle] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        assert self._launch is not None
+        _, spec = self._launch
+        # Shielded: a create cancelled half-way would leave a sandbox nobody kills. The SDK's own
+        # request and readiness timeouts bound it.
+        with trio.CancelScope(shield=True):
+            sandbox = await trio.to_thread.run_sync(self._create, name, spec)
+        try:
+            with trio.CancelScope() as scope:
+                self._running[name] = _Sandbox(sandbox, scope)
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._renew_at_half_ttl, name, sandbox)
+                    handle = await wait_ready(
+                        name,
+                        locate=partial(self._locate, name, sandbox, spec),
+                        ended=partial(_ended, sandbox),
+                        log_tail=partial(_where_its_log_is, sandbox),
+                        timeout_s=spec.ready_timeout_s,
+                        poll_interval_s=self.poll_interval_s,
+                    )
+                    task_status.started(handle)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(KILL_TIMEOUT_S):
+                await trio.to_thread.run_sync(_kill, name, sandbox)
+
+    def _connection(self) -> Any:
+        from opensandbox.config import ConnectionConfigSync
+
+        return ConnectionConfigSync(
+            domain=self.domain,
+            api_key=self._api_key,
+            use_server_proxy=self.use_server_proxy,
+            request_timeout=timedelta(seconds=self.request_timeout_s),
+        )
+
+    def _create(self, name: str, spec: HostSpec) -> SandboxSync:
+        """Create ``name``'s sandbox (in a worker thread), rolling back every failed attempt."""
+        from opensandbox.exceptions import SandboxException
+        from opensandbox.sync import SandboxSync
+
+        environment = {**spec.host_environment(), "NMP_RUNTIME_HTTP_PORT": str(self.port)}
+        failures: list[str] = []
+        for _ in range(self.create_attempts):
+            launch_id = uuid.uuid4().hex
+            try:
+                sandbox = SandboxSync.create(
+                    self.image,
+                    entrypoint=self.entrypoint,
+                    env=environment,
+                    metadata={NAME_KEY: name, LAUNCH_KEY: launch_id},
+                    timeout=timedelta(seconds=self.ttl_s),
+                    ready_timeout=timedelta(seconds=spec.ready_timeout_s),
+                    resource=self.resource,
+                    connection_config=self._connection(),
+                    skip_health_check=True,
+                )
+            except SandboxException as exc:
+                rolled_back = self._kill_launched(launch_id, keep=None)
+                failures.append(f"{type(exc).__name__}: {exc} (rolled back: {rolled_back})")
+                log_event(
+                    "sandbox_create_failed", level=logging.WARNING, host=name, error=failures[-1]
+                )
+                continue
+            self._kill_launched(launch_id, keep=sandbox.id)
+            log_event("sandbox_created", host=name, sandbox=sandbox.id)
+            return sandbox
+        raise LaunchFailed(
+            f"host {name}: creating its sandbox failed {len(failures)} time(s): "
+            + "; ".join(failures)
+        )
+
+    def _kill_launched(self, launch_id: str, *, keep: str | None) -> list[str]:
+        """Kill every sandbox created under ``launch_id`` but ``keep``; their ids."""
+        from opensandbox.models.sandboxes import SandboxFilter
+        from opensandbox.sync import SandboxManagerSync
+
+        manager = SandboxManagerSync.create(self._connection())
+        try:
+            found = manager.list_sandbox_infos(SandboxFilter(metadata={LAUNCH_KEY: launch_id}))
+            killed = []
+            for info in found.sandbox_infos:
+                if info.id != keep and info.status.state in ALIVE_STATES:
+                    manager.kill_sandbox(info.id)
+                    killed.append(info.id)
+            return killed
+        finally:
+            manager.close()
+
+    async def _locate(self, name: str, sandbox: SandboxSync, spec: HostSpec) -> HostHandle:
+        endpoint = await trio.to_thread.run_sync(sandbox.get_endpoint, self.port)
+        address = endpoint.endpoint
+        url = address if "://" in address else f"http://{address}"
+        if not url.startswith("http://"):
+            raise LaunchFailed(
+                f"host {name}: the sandbox's port {self.port} is published as {address!r}; "
+                "trio_gym's client speaks plain http:// only (try use_server_proxy=False)"
+            )
+        headers = tuple(sorted(endpoint.headers.items()))
+        return HostHandle(name, url, headers, control_token=spec.control_token)
+
+    async def _renew_at_half_ttl(self, name: str, sandbox: SandboxSync) -> None:
+        from opensandbox.exceptions import SandboxException
+
+        ttl = timedelta(seconds=self.ttl_s)
+        while True:
+            await trio.sleep(self.ttl_s / 2)
+            try:
+                await trio.to_thread.run_sync(sandbox.renew, ttl)
+                log_event("sandbox_renewed", host=name, sandbox=sandbox.id)
+            except SandboxException as exc:  # retried at the next half; the TTL is the backstop
+                log_event("sandbox_renew_failed", level=logging.WARNING, host=name, error=str(exc))
+
+
+def _state(sandbox: SandboxSync) -> str:
+    return str(sandbox.get_info().status.state)
+
+
+async def _ended(sandbox: SandboxSync) -> str | None:
+    info = await trio.to_thread.run_sync(sandbox.get_info)
+    if info.status.state in ALIVE_STATES:
+        return None
+    why = ": ".join(part for part in (info.status.reason, info.status.message) if part)
+    return f"(sandbox {sandbox.id}) is {info.status.state}" + (f" ({why})" if why else "")
+
+
+async def _where_its_log_is(sandbox: SandboxSync) -> str:
+    return f"its output is the sandbox's log (sandbox {sandbox.id}) on the OpenSandbox server"
+
+
+def _kill(name: str, sandbox: SandboxSync) -> None:
+    from opensandbox.exceptions import SandboxException
+
+    try:
+        sandbox.kill()
+    except SandboxException as exc:  # logged; its TTL ends it
+        log_event(
+            "sandbox_kill_failed",
+            level=logging.ERROR,
+            host=name,
+            sandbox=sandbox.id,
+            error=str(exc),
+        )
+    else:
+        log_event("sandbox_killed", host=name, sandbox=sandbox.id)
+    finally:
+        sandbox.close()

@@ -1,0 +1,124 @@
+"""What a trainer knows of a host it did not start by hand: where it is and how it is.
+
+A :class:`HostHandle` is what a provider (:mod:`trio_gym.fleet`) hands back for each host it
+launched, and what a :class:`~trio_gym.trainer.pool.HostPool` spreads work over. :func:`probe`
+asks a host's ``/health`` once, within a bound, and says what it heard in one word and a
+sentence: a pool probes a host that failed a request, a provider waits for ``ready``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Protocol
+
+import attrs
+import trio
+
+from trio_gym.http import (
+    BodyFailed,
+    Endpoint,
+    HttpLimits,
+    NoResponse,
+    StreamOpener,
+    exchange,
+    open_tcp,
+)
+
+# A /health answer is a few hundred bytes; anything much bigger is not one.
+_MAX_HEALTH_BYTES = 64 * 1024
+
+
+@attrs.frozen
+class HostHandle:
+    """One launched host: a name unique in its launch, its base URL, the headers every request
+    to it carries (a sandbox platform's proxy may want its own), its control token."""
+
+    name: str
+    url: str
+    headers: tuple[tuple[str, str], ...] = ()
+    control_token: str = attrs.field(default="", repr=False)
+
+
+class HealthStatus(enum.StrEnum):
+    READY = "ready"
+    STARTING = "starting"
+    FAILED = "failed"
+    SHUTTING_DOWN = "shutting_down"
+    UNREACHABLE = "unreachable"
+    """No answer: refused, reset, or nothing within the probe's bound."""
+    UNKNOWN = "unknown"
+    """An answer that is not a trio_gym ``/health`` document (a proxy's page)."""
+
+
+@attrs.frozen
+class Health:
+    status: HealthStatus
+    detail: str
+    """What was heard, for a person: the stage and message of a failed host, the error of an
+    unreachable one."""
+
+
+async def probe(
+    handle: HostHandle,
+    *,
+    timeout_s: float,
+    opener: StreamOpener = open_tcp,
+    limits: HttpLimits | None = None,
+) -> Health:
+    """One ``GET /health`` of ``handle``, answered within ``timeout_s`` or called unreachable."""
+    endpoint = Endpoint.parse(handle.url)
+    with trio.move_on_after(timeout_s):
+        try:
+            response = await exchange(
+                endpoint,
+                "GET",
+                "/health",
+                limits=limits or HttpLimits(),
+                max_response_bytes=_MAX_HEALTH_BYTES,
+                idle_timeout_s=timeout_s,
+                headers=handle.headers,
+                opener=opener,
+            )
+        except (NoResponse, BodyFailed) as exc:
+            return Health(HealthStatus.UNREACHABLE, str(exc))
+        return read_health(response.status, response.body)
+    return Health(HealthStatus.UNREACHABLE, f"no answer to GET /health within {timeout_s:g} s")
+
+
+def read_health(status: int, body: bytes) -> Health:
+    """A ``/health`` answer in one word and a sentence (DESIGN §3.2's shapes)."""
+    try:
+        document = json.loads(body)
+        word = HealthStatus(document["status"])
+    except (ValueError, TypeError, KeyError):
+        shown = body[:200].decode("utf-8", "replace")
+        return Health(HealthStatus.UNKNOWN, f"HTTP {status} that is not a host's health: {shown!r}")
+    if word is HealthStatus.READY and status != 200:
+        return Health(HealthStatus.UNKNOWN, f"HTTP {status} saying ready")
+    detail = f"HTTP {status} {word.value}"
+    if isinstance(document.get("stage"), str):
+        detail += f" at stage {document['stage']}"
+    error = document.get("error")
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        detail += f": {error['message']}"
+    elif isinstance(document.get("detail"), str):
+        detail += f" ({document['detail']})"
+    return Health(word, detail)
+
+
+class LaunchFailed(Exception):
+    """A host could not be launched or did not become ready; the message names the host, what
+    was seen (its ``/health``, its exit status) and the end of its log."""
+
+
+class Launcher(Protocol):
+    """What a pool asks of whoever launched its hosts (every provider is one)."""
+
+    async def alive(self, handle: HostHandle) -> bool:
+        """Whether the host's process (or sandbox) still exists; not whether it is healthy."""
+        ...
+
+    async def replace(self, handle: HostHandle) -> HostHandle:
+        """Stop ``handle``'s host and launch another in its place, ready; its handle."""
+        ...
