@@ -15,7 +15,13 @@ TRAINER = (
     "trio_gym.trainer.batch_file",
     "trio_gym.trainer.pool",
 )
-FLEET = ("trio_gym.fleet", "trio_gym.fleet.opensandbox", "trio_gym.fleet.spread")
+FLEET = (
+    "trio_gym.fleet",
+    "trio_gym.fleet.opensandbox",
+    "trio_gym.fleet.ray_actor",
+    "trio_gym.fleet.ray_hosts",
+    "trio_gym.fleet.spread",
+)
 PROTOCOL = ("trio_gym.protocol.control", "trio_gym.protocol.export", "trio_gym.protocol.identity")
 
 

@@ -6,8 +6,10 @@ import json
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
+import pytest
 import trio
 import yaml
 
@@ -131,3 +133,27 @@ async def test_the_pool_program_launches_local_hosts_and_answers_every_example(
             env={**os.environ, "PYTHONPATH": str(ROOT)},
         )
     assert done.stdout == b"64 of 64 examples answered\n", done.stderr
+
+
+@pytest.mark.ray
+async def test_the_ray_actor_program_runs_on_a_fresh_cluster(tmp_path: Path) -> None:
+    pytest.importorskip("ray", reason="Ray: pip install 'trio-gym[ray]' (.ci/run installs it)")
+    program = next(b for b in code_blocks("python") if "remote_actor()" in b)
+    # Ray's socket paths must stay short: its temp dir cannot be this test's deep tmp_path.
+    temporary = tempfile.TemporaryDirectory(prefix="ray-", dir="/tmp")
+    cluster = (
+        'ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", '
+        f'_temp_dir="{temporary.name}", log_to_driver=False)'
+    )
+    script = tmp_path / "actor.py"
+    script.write_text(program.replace("ray.init()", cluster) + "\nray.shutdown()\n")
+    with temporary, trio.fail_after(180):
+        done = await trio.run_process(
+            [sys.executable, str(script)],
+            capture_stdout=True,
+            capture_stderr=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=False,
+        )
+    assert done.stdout.startswith(b"16 of 16 rows, mean reward "), done.stderr[-2000:]

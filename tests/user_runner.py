@@ -46,7 +46,8 @@ def not_a_runner() -> object:
 
 class RecordingRunner:
     """Writes a line to ``$TRIO_GYM_TEST_RECORD`` as each example starts (its ``id`` and this
-    process's pid), then sleeps ``sleep_s``: tests count how often each example ran, and where."""
+    process's pid), then sleeps ``sleep_s``: tests count how often each example ran, and where.
+    An example cancelled while it sleeps writes another line, marked ``cancelled``."""
 
     async def start(self) -> None:
         pass
@@ -56,7 +57,11 @@ class RecordingRunner:
 
     async def run_example(self, example: Mapping[str, Any], context: ExampleContext) -> Any:
         _record(json.dumps({"id": example["id"], "pid": os.getpid()}))
-        await trio.sleep(example.get("sleep_s", 0))
+        try:
+            await trio.sleep(example.get("sleep_s", 0))
+        except trio.Cancelled:
+            _record(json.dumps({"id": example["id"], "pid": os.getpid(), "cancelled": True}))
+            raise
         return {"id": example["id"], "pid": os.getpid(), "reward": 1.0}
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -84,24 +84,58 @@ class _Member:
     """Chunks sent to it and not yet answered."""
 
 
+@attrs.frozen
+class ChunkAnswered:
+    """One chunk's answer, as it comes (``on_answer``): the index of its first example, each
+    example's outcome (its result, or the :class:`RolloutError` of the chunk), the host that
+    answered and how long its last send took (``None`` for a chunk no host ran)."""
+
+    first: int
+    outcomes: list[Any]
+    host: str | None
+    elapsed_s: float | None
+
+
 class _Batch:
     """One ``run``'s chunks: an answer each, and the requests of it in flight."""
 
-    def __init__(self, chunks: list[Sequence[Mapping[str, Any]]]) -> None:
-        self.chunks = chunks
-        self.answers: list[list[Any] | RolloutError | None] = [None] * len(chunks)
-        self.sends = [0] * len(chunks)
+    def __init__(
+        self,
+        examples: Sequence[Mapping[str, Any]],
+        size: int,
+        on_answer: Callable[[ChunkAnswered], None] | None,
+    ) -> None:
+        self.size = size
+        self.chunks = [examples[i : i + size] for i in range(0, len(examples), size)]
+        self.answers: list[list[Any] | RolloutError | None] = [None] * len(self.chunks)
+        self.sends = [0] * len(self.chunks)
         self.finished = trio.Event()
         self.abandoned = False
         self.in_flight: set[trio.CancelScope] = set()
-        self._unanswered = len(chunks)
+        self._on_answer = on_answer
+        self._unanswered = len(self.chunks)
 
-    def answer(self, index: int, answer: list[Any] | RolloutError) -> None:
-        if self.answers[index] is None:
-            self.answers[index] = answer
-            self._unanswered -= 1
-            if self._unanswered == 0:
-                self.finished.set()
+    def answer(
+        self,
+        index: int,
+        answer: list[Any] | RolloutError,
+        host: str | None = None,
+        elapsed_s: float | None = None,
+    ) -> None:
+        if self.answers[index] is not None:
+            return
+        self.answers[index] = answer
+        self._unanswered -= 1
+        if self._on_answer is not None:
+            self._on_answer(ChunkAnswered(index * self.size, self.outcomes(index), host, elapsed_s))
+        if self._unanswered == 0:
+            self.finished.set()
+
+    def outcomes(self, index: int) -> list[Any]:
+        """Each example of chunk ``index``: its result, or the chunk's error."""
+        answer = self.answers[index]
+        assert answer is not None
+        return answer if isinstance(answer, list) else [answer] * len(self.chunks[index])
 
     def unanswered(self) -> list[int]:
         return [index for index, answer in enumerate(self.answers) if answer is None]
@@ -209,32 +243,35 @@ class HostPool:
         Raises ``ValueError`` for an empty batch and :class:`RolloutError` if any chunk failed
         (as :meth:`RolloutClient.run`). :meth:`outcomes` keeps the chunks that succeeded.
         """
-        answers = await self._answers(examples)
-        failures = [answer for answer in answers if isinstance(answer, RolloutError)]
+        batch = await self._run_batch(examples, None)
+        failures = [answer for answer in batch.answers if isinstance(answer, RolloutError)]
         if failures:
-            raise batch_failure(failures, len(answers))
-        return [result for answer in answers for result in answer]  # type: ignore[union-attr]
+            raise batch_failure(failures, len(batch.answers))
+        return [result for index in range(len(batch.chunks)) for result in batch.outcomes(index)]
 
-    async def outcomes(self, examples: Sequence[Mapping[str, Any]]) -> list[Any]:
+    async def outcomes(
+        self,
+        examples: Sequence[Mapping[str, Any]],
+        *,
+        on_answer: Callable[[ChunkAnswered], None] | None = None,
+    ) -> list[Any]:
         """Run ``examples``; for each, in input order, its result or the :class:`RolloutError`
-        its chunk failed with. Every example is answered exactly once."""
-        answers = await self._answers(examples)
-        size = self.client_settings.chunk_size
-        outcomes: list[Any] = []
-        for index, answer in enumerate(answers):
-            chunk_size = len(examples[index * size : (index + 1) * size])
-            outcomes.extend(answer if isinstance(answer, list) else [answer] * chunk_size)
-        return outcomes
+        its chunk failed with. Every example is answered exactly once; ``on_answer`` hears each
+        chunk's answer as it comes (completion order). Cancelled, it cuts the requests it has
+        in flight (their hosts then cancel those examples) and sends nothing more."""
+        batch = await self._run_batch(examples, on_answer)
+        return [outcome for index in range(len(batch.chunks)) for outcome in batch.outcomes(index)]
 
-    async def _answers(
-        self, examples: Sequence[Mapping[str, Any]]
-    ) -> list[list[Any] | RolloutError]:
+    async def _run_batch(
+        self,
+        examples: Sequence[Mapping[str, Any]],
+        on_answer: Callable[[ChunkAnswered], None] | None,
+    ) -> _Batch:
         if not examples:
             raise ValueError("an empty batch has nothing to run; pass at least one example")
         if not self._open:
             raise RuntimeError("run batches inside `async with pool:`")
-        size = self.client_settings.chunk_size
-        batch = _Batch([examples[i : i + size] for i in range(0, len(examples), size)])
+        batch = _Batch(examples, self.client_settings.chunk_size, on_answer)
         self._batches.add(batch)
         try:
             if self._slots_left == 0:
@@ -247,7 +284,7 @@ class HostPool:
             self._batches.discard(batch)
             if not batch.finished.is_set():
                 batch.abandon()
-        return batch.answers  # type: ignore[return-value]
+        return batch
 
     def _wake(self) -> None:
         self._changed.set()
@@ -302,6 +339,7 @@ class HostPool:
                 "chunk_sending", chunk=index, host=member.handle.name, send=batch.sends[index]
             )
             self.progress.chunk_started(index, batch.sends[index], len(chunk))
+            sent = trio.current_time()
             with trio.CancelScope() as request:
                 batch.in_flight.add(request)
                 try:
@@ -309,17 +347,19 @@ class HostPool:
                         chunk, on_heartbeat=partial(self.progress.heartbeat, index)
                     )
                 except RolloutError as error:
-                    self._failed(member, batch, index, error)
+                    self._failed(member, batch, index, error, trio.current_time() - sent)
                 else:
                     member.failures = 0
-                    batch.answer(index, results)
+                    batch.answer(index, results, member.handle.name, trio.current_time() - sent)
                     self.progress.chunk_finished(index, results)
                 finally:
                     batch.in_flight.discard(request)
                     member.in_flight -= 1
                     self._wake()
 
-    def _failed(self, member: _Member, batch: _Batch, index: int, error: RolloutError) -> None:
+    def _failed(
+        self, member: _Member, batch: _Batch, index: int, error: RolloutError, elapsed_s: float
+    ) -> None:
         name = member.handle.name
         if _never_taken(error):
             self._suspect(member, error)
@@ -337,7 +377,7 @@ class HostPool:
             if error.origin is Origin.PROXY:  # the answer died on the way: is the host alive?
                 self._suspect(member, error)
             final = _renamed(error, f"chunk {index + 1} failed on host {name}: {error.message}")
-        batch.answer(index, final)
+        batch.answer(index, final, name, elapsed_s)
         self.progress.chunk_failed(index, final)
 
     def _suspect(self, member: _Member, error: RolloutError) -> None:
