@@ -1708,6 +1708,34 @@ MUTATIONS = [
         "            if False:",
         ("tests/test_pool.py::test_a_host_that_stalls_mid_batch_is_ejected_and_the_rest_carry_the_batch",),
     ),
+    Mutation(
+        "run_rollouts never looks at Ray's cancel flag (#16)",
+        "trio_gym/fleet/ray_actor.py",
+        "                    if cancelled():",
+        "                    if False:",
+        ("tests/test_ray.py::test_cancelling_the_consumer_cancels_every_running_example",),
+    ),
+    Mutation(
+        "a cancelled row stream leaves its rows running (#16)",
+        "trio_gym/fleet/ray_actor.py",
+        "                    trio.from_thread.run_sync(scope.cancel, trio_token=token)",
+        "                    pass",
+        ("tests/test_ray.py::test_cancelling_the_consumer_cancels_every_running_example",),
+    ),
+    Mutation(
+        "the actor spins up a second session over the first (#16)",
+        "trio_gym/fleet/ray_actor.py",
+        "        if self._session is not None:\n            raise RuntimeError(",
+        "        if False:\n            raise RuntimeError(",
+        ("tests/test_ray.py::test_the_actor_runs_one_session_and_refuses_bad_config",),
+    ),
+    Mutation(
+        "leaving the Ray provider's block leaves its hosts running (#16)",
+        "trio_gym/fleet/ray_hosts.py",
+        "                    nursery.cancel_scope.cancel()  # every owner's task stops its host",
+        "                    pass",
+        ("tests/test_ray.py::test_the_ray_provider_places_hosts_on_the_cluster_and_stops_them",),
+    ),
 ]
 
 
