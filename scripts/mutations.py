@@ -1114,10 +1114,10 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "restore skips the topology check (host names)",
+        "restore skips the topology check (host names: one that left, with no successor)",
         "trio_gym/trainer/restore.py",
-        "        if named != set(self.dispatcher.hosts):",
-        "        if False:",
+        "        if missing:\n            raise RestoreRefused(",
+        "        if False:\n            raise RestoreRefused(",
         (
             "tests/test_coordinator.py::test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing",
         ),
@@ -1125,7 +1125,7 @@ MUTATIONS = [
     Mutation(
         "restore skips the topology check (live participants)",
         "trio_gym/trainer/restore.py",
-        "        statuses = await self._check_live_topology(manifest)",
+        "        statuses = await self._check_live_topology(manifest, place)",
         "        statuses = await self._statuses()",
         (
             "tests/test_coordinator_hosts.py::"
@@ -1142,7 +1142,7 @@ MUTATIONS = [
     Mutation(
         "a failed restore left installed on the other hosts",
         "trio_gym/trainer/restore.py",
-        "            await self._undo_restore(restore_id, successors)",
+        "            await self._undo_restore(restore_id, next_attempts)",
         "            pass",
         ("tests/test_coordinator.py::test_a_failed_restore_on_one_host_is_undone_on_every_host",),
     ),
@@ -1735,6 +1735,20 @@ MUTATIONS = [
         "                    nursery.cancel_scope.cancel()  # every owner's task stops its host",
         "                    pass",
         ("tests/test_ray.py::test_the_ray_provider_places_hosts_on_the_cluster_and_stops_them",),
+    ),
+    Mutation(
+        "a successor restores a departed host's export but its work stays with the departed (#16)",
+        "trio_gym/trainer/restore.py",
+        "                    ledger.rehost(old, new)",
+        "                    pass",
+        ("tests/test_coordinator.py::test_a_host_that_left_has_its_episodes_restored_on_its_named_successor",),
+    ),
+    Mutation(
+        "a restore restores each host's export on a host of the same name only (#16)",
+        "trio_gym/trainer/restore.py",
+        "        return {name: successors.get(name, name) for name in named}",
+        "        return {name: name for name in named}",
+        ("tests/test_coordinator.py::test_a_host_that_left_has_its_episodes_restored_on_its_named_successor",),
     ),
 ]
 

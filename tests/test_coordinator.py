@@ -149,15 +149,55 @@ async def test_a_manifest_pointing_outside_its_checkpoint_is_refused_before_any_
         assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
 
 
+@pytest.mark.parametrize(
+    ("successors", "refusal"),
+    [
+        (
+            None,
+            r"taken with hosts \['a', 'b'\]; \['b'\] are not among this trainer's hosts "
+            r"\['a', 'c'\]: name the host that takes each one's place",
+        ),
+        ({"b": "d"}, r"'d' is not one of this trainer's hosts"),
+        ({"b": "a"}, r"'a' is a host of the checkpoint and restores its own episodes"),
+        ({"a": "c"}, r"'a' is one of this trainer's hosts and restores its own episodes"),
+        ({"x": "c"}, r"the checkpoint has no host 'x'"),
+    ],
+)
 async def test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    autojump_clock: trio.abc.Clock,
+    tmp_path: Path,
+    successors: dict[str, str] | None,
+    refusal: str,
 ) -> None:
     await checkpoint_mid_flight(tmp_path)
     async with fleet(("a", "c")) as f:
-        with pytest.raises(RestoreRefused, match=r"taken with hosts \['a', 'b'\]"):
-            await f.coordinator.restore(tmp_path / "c1")
+        with pytest.raises(RestoreRefused, match=refusal):
+            await f.coordinator.restore(tmp_path / "c1", successors=successors)
         assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
         assert not f.dispatcher.ledger.groups
+
+
+async def test_a_host_that_left_has_its_episodes_restored_on_its_named_successor(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    manifest, _ = await checkpoint_mid_flight(tmp_path)
+    exported = {key: host.instance for host in manifest.hosts for key in host.episodes}
+    assert set(exported.values()) == {"a", "b"}
+    # b left the pool; c took its place, and d is new capacity the checkpoint never knew.
+    async with fleet(("a", "c", "d")) as f:
+        restored = await f.coordinator.restore(tmp_path / "c1", successors={"b": "c"})
+        assert sorted(restored.restored) == sorted(f"{key}-a1" for key in exported)
+        await run_all(f, {g: GROUPS[g] for g in restored.groups})
+    everything = restored.trainer_state["consumed"] + [
+        {"group_id": r.group_id, "sibling": r.sibling} for r in f.consumed
+    ]
+    assert keyed(everything) == Counter({(g, i): 1 for g in GROUPS for i in range(2)})
+    moved = {"a": "a", "b": "c"}
+    for sealed in f.consumed:
+        assert sealed.attempt == 1 and sealed.host == moved[exported[sealed.rollout_id]]
+        expected = await uninterrupted(GROUPS[sealed.group_id][sealed.sibling])
+        assert sealed.result["booked"] == expected["booked"]  # b's side effects, on c, once
+    assert not f.runners["d"].started
 
 
 async def test_a_tampered_export_is_refused_before_any_host_changes(

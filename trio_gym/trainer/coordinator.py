@@ -322,10 +322,14 @@ class CheckpointCoordinator:
 
     # --- restore ----------------------------------------------------------------------------
 
-    async def restore(self, directory: Path) -> Restored:
-        """Restore the checkpoint in ``directory`` into this (fresh) dispatcher and its hosts."""
+    async def restore(
+        self, directory: Path, *, successors: Mapping[str, str] | None = None
+    ) -> Restored:
+        """Restore the checkpoint in ``directory`` into this (fresh) dispatcher and its hosts;
+        ``successors`` names the host that takes the place of each of the checkpoint's hosts
+        that left (see :meth:`Restorer.restore`)."""
         with self._one_at_a_time():
-            return await self._restorer.restore(directory)
+            return await self._restorer.restore(directory, successors)
 
     async def take_over(self) -> None:
         """Make every host idle: resume a checkpoint an earlier trainer process left open (its

@@ -229,6 +229,16 @@ class Ledger:
         )
         return self._append(sibling, fresh)
 
+    def rehost(self, old: str, new: str) -> None:
+        """Hand ``old``'s unfinished work to ``new`` (a restore onto the host that took the
+        place of one that left): every current attempt on ``old`` that is not SEALED moves.
+        Nothing of it can still run on ``old``: that host is gone."""
+        self._check_held()
+        for group in self.groups.values():
+            for sibling in group.siblings:
+                if sibling.current.host == old and sibling.current.state is not AttemptState.SEALED:
+                    sibling.current.host = new
+
     def next_attempt(self, key: str) -> Attempt:
         """After a restore: the same rollout as attempt + 1, RESERVED, on the same host."""
         self._check_held()

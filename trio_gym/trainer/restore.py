@@ -11,6 +11,7 @@ what a trainer calls.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,17 @@ class Restorer:
         self.hosts = hosts
         self.dispatcher, self.settings = hosts.dispatcher, hosts.settings
 
-    async def restore(self, directory: Path) -> Restored:
-        """Restore the checkpoint in ``directory`` into this (fresh) dispatcher and its hosts."""
+    async def restore(
+        self, directory: Path, successors: Mapping[str, str] | None = None
+    ) -> Restored:
+        """Restore the checkpoint in ``directory`` into this (fresh) dispatcher and its hosts.
+
+        Each host of the checkpoint restores its own episodes; one that is not among this
+        trainer's hosts any more (it left the pool) must be named in ``successors`` with the
+        host that takes its place (``{"old": "new"}``, ``new`` a host the checkpoint does not
+        have): ``new`` restores ``old``'s export, and ``old``'s unfinished work is ``new``'s
+        from then on. Hosts the checkpoint does not name take none of its episodes.
+        """
         directory = absolute(directory)
         manifest, ledger = _loaded(directory)
         source = manifest.checkpoint_id
@@ -64,17 +74,18 @@ class Restorer:
                 f"{len(self.dispatcher.ledger.groups)} group(s)",
                 source,
             )
+        place = self._placement(manifest, dict(successors or {}))
         self._check_files(directory, manifest, ledger)
-        statuses = await self._check_live_topology(manifest)
-        exports = {host.instance: host for host in manifest.hosts if host.episodes}
-        successors = {
+        statuses = await self._check_live_topology(manifest, place)
+        exports = {place[host.instance]: host for host in manifest.hosts if host.episodes}
+        next_attempts = {
             name: [(a.rollout_id, a.number + 1) for a in map(ledger.attempt, export.episodes)]
             for name, export in exports.items()
         }
         restore_id = f"restore-{uuid.uuid4().hex[:16]}"
         try:
             await self.hosts.call(
-                lambda host: self._take_over(host, statuses[host], successors.get(host, []))
+                lambda host: self._take_over(host, statuses[host], next_attempts.get(host, []))
             )
         except (CheckpointUnavailable, CheckpointAborted) as failure:
             raise RestoreFailed(
@@ -85,11 +96,11 @@ class Restorer:
         try:
             await self.hosts.call(
                 lambda host: self._restore_on(
-                    host, restore_id, directory, exports.get(host), successors.get(host, [])
+                    host, restore_id, directory, exports.get(host), next_attempts.get(host, [])
                 )
             )
         except (CheckpointUnavailable, CheckpointAborted) as failure:
-            await self._undo_restore(restore_id, successors)
+            await self._undo_restore(restore_id, next_attempts)
             raise RestoreFailed(
                 f"restoring {source} failed, every host retired what it restored and resumed: "
                 f"{failure}",
@@ -98,6 +109,9 @@ class Restorer:
         await self.hosts.resume(restore_id)
         restored = []
         async with ledger.mutation():
+            for old, new in place.items():
+                if old != new:
+                    ledger.rehost(old, new)
             for export in exports.values():
                 for key in export.episodes:
                     restored.append(ledger.next_attempt(key).capture_key)
@@ -113,17 +127,46 @@ class Restorer:
         log_event("checkpoint_restored", checkpoint_id=source, episodes=len(restored))
         return Restored(source, dict(manifest.trainer_state), groups, restored)
 
-    def _check_files(self, directory: Path, manifest: CheckpointManifest, ledger: Ledger) -> None:
-        """The manifest's hosts are this dispatcher's, and each export on disk carries the
-        committed digests and the episodes the ledger says it holds."""
+    def _placement(
+        self, manifest: CheckpointManifest, successors: dict[str, str]
+    ) -> dict[str, str]:
+        """Where each of the checkpoint's hosts restores: itself, or its named successor.
+        Raises :class:`RestoreRefused` for a host with neither, and for a map that does not
+        fit (a successor the checkpoint has, or two hosts sharing one)."""
         source = manifest.checkpoint_id
-        named = {host.instance for host in manifest.hosts}
-        if named != set(self.dispatcher.hosts):
+        named = [host.instance for host in manifest.hosts]
+        live = set(self.dispatcher.hosts)
+        for old, new in successors.items():
+            if old not in named:
+                why = f"the checkpoint has no host {old!r} (it has {sorted(named)})"
+            elif old in live:
+                why = f"{old!r} is one of this trainer's hosts and restores its own episodes"
+            elif new not in live:
+                why = f"{new!r} is not one of this trainer's hosts {sorted(live)}"
+            elif new in named:
+                why = f"{new!r} is a host of the checkpoint and restores its own episodes"
+            else:
+                continue
+            raise RestoreRefused(f"successors {{{old!r}: {new!r}}}: {why}", source)
+        if len(set(successors.values())) != len(successors):
             raise RestoreRefused(
-                f"checkpoint {source} was taken with hosts {sorted(named)}; this trainer has "
-                f"{sorted(self.dispatcher.hosts)}",
+                f"successors {successors}: each host that left needs a successor of its own",
                 source,
             )
+        missing = [name for name in named if name not in live and name not in successors]
+        if missing:
+            raise RestoreRefused(
+                f"checkpoint {source} was taken with hosts {sorted(named)}; {missing} are not "
+                f"among this trainer's hosts {sorted(live)}: name the host that takes each one's "
+                f"place, restore(directory, successors={{{missing[0]!r}: ...}})",
+                source,
+            )
+        return {name: successors.get(name, name) for name in named}
+
+    def _check_files(self, directory: Path, manifest: CheckpointManifest, ledger: Ledger) -> None:
+        """Each export on disk carries the committed digests and the episodes the ledger says
+        it holds."""
+        source = manifest.checkpoint_id
         for host in manifest.hosts:
             try:
                 export = read_export(directory / host.directory)
@@ -162,8 +205,11 @@ class Restorer:
 
         return await self.hosts.call(status)
 
-    async def _check_live_topology(self, manifest: CheckpointManifest) -> dict[str, StatusReply]:
-        """Each live host's participants are the manifest's; every host's status."""
+    async def _check_live_topology(
+        self, manifest: CheckpointManifest, place: Mapping[str, str]
+    ) -> dict[str, StatusReply]:
+        """The participants of the live host each of the manifest's restores on are the
+        manifest's; every host's status."""
         try:
             statuses = await self._statuses()
         except (CheckpointUnavailable, CheckpointAborted) as failure:
@@ -173,12 +219,13 @@ class Restorer:
                 manifest.checkpoint_id,
             ) from failure
         for host in manifest.hosts:
-            live = {(p.server_name, p.kind) for p in statuses[host.instance].participants}
+            there = place[host.instance]
+            live = {(p.server_name, p.kind) for p in statuses[there].participants}
             saved = {(p.server_name, p.kind) for p in host.participants}
             if live != saved:
                 raise RestoreRefused(
-                    f"{host.instance} now has participants {sorted(live)}; the checkpoint has "
-                    f"{sorted(saved)}",
+                    f"{there} now has participants {sorted(live)}; the checkpoint has "
+                    f"{sorted(saved)} for {host.instance}",
                     manifest.checkpoint_id,
                 )
         return statuses
@@ -190,7 +237,7 @@ class Restorer:
         await self.hosts.call(lambda host: self._take_over(host, statuses[host], []))
 
     async def _take_over(
-        self, host: str, status: StatusReply, successors: list[tuple[str, int]]
+        self, host: str, status: StatusReply, next_attempts: list[tuple[str, int]]
     ) -> None:
         """Make ``host`` (whose ``status`` was just read) idle and clear what an earlier trainer
         left of these episodes there (a checkpoint it never resumed, an earlier restore of the
@@ -200,11 +247,11 @@ class Restorer:
         left_open = _left_open(host, status)
         if left_open is not None:
             await control.resume(left_open, timeout_s=timeout)
-        if not successors:
+        if not next_attempts:
             return
         cleanup = f"takeover-{uuid.uuid4().hex[:16]}"
-        await control.retire(cleanup, successors, timeout_s=timeout)
-        await control.forget(cleanup, [rid for rid, _ in successors], timeout_s=timeout)
+        await control.retire(cleanup, next_attempts, timeout_s=timeout)
+        await control.forget(cleanup, [rid for rid, _ in next_attempts], timeout_s=timeout)
 
     async def _restore_on(
         self,
@@ -212,7 +259,7 @@ class Restorer:
         restore_id: str,
         directory: Path,
         export: HostExport | None,
-        successors: list[tuple[str, int]],
+        next_attempts: list[tuple[str, int]],
     ) -> None:
         if export is None:
             return
@@ -223,7 +270,7 @@ class Restorer:
             timeout_s=self.settings.control_timeout_s,
             lease_s=self.settings.lease_s,
         )
-        expected = {capture_key(rid, attempt) for rid, attempt in successors}
+        expected = {capture_key(rid, attempt) for rid, attempt in next_attempts}
         restored = fitting(RestoreReply, reply, "restore", host, restore_id).restored
         got = {entry.capture_key for entry in restored}
         if got != expected:
@@ -232,15 +279,15 @@ class Restorer:
             )
 
     async def _undo_restore(
-        self, restore_id: str, successors: dict[str, list[tuple[str, int]]]
+        self, restore_id: str, next_attempts: dict[str, list[tuple[str, int]]]
     ) -> None:
         """Every host retires what it restored (if anything) and resumes."""
         timeout = self.settings.control_timeout_s
 
         async def undo(host: str) -> None:
             control = self.hosts.control(host)
-            if successors.get(host):
-                await control.retire(restore_id, successors[host], timeout_s=timeout)
+            if next_attempts.get(host):
+                await control.retire(restore_id, next_attempts[host], timeout_s=timeout)
             await control.resume(restore_id, timeout_s=timeout)
 
         await self.hosts.call_regardless(undo, calls=2, event="restore_undo_failed")
