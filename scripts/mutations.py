@@ -1730,11 +1730,15 @@ MUTATIONS = [
         ("tests/test_ray.py::test_the_actor_runs_one_session_and_refuses_bad_config",),
     ),
     Mutation(
-        "leaving the Ray provider's block leaves its hosts running (#16)",
-        "trio_gym/fleet/ray_hosts.py",
-        "                    nursery.cancel_scope.cancel()  # every owner's task stops its host",
+        "leaving a provider's block leaves its hosts running (#16)",
+        "trio_gym/fleet/launch.py",
+        "                    nursery.cancel_scope.cancel()  # every host's task stops its host",
         "                    pass",
-        ("tests/test_ray.py::test_the_ray_provider_places_hosts_on_the_cluster_and_stops_them",),
+        (
+            "tests/test_pool.py::test_a_host_answering_503_gets_nothing_run_and_is_ejected",
+            "tests/test_opensandbox.py::test_hosts_run_in_sandboxes_and_are_killed_when_the_block_ends",
+            "tests/test_ray.py::test_the_ray_provider_places_hosts_on_the_cluster_and_stops_them",
+        ),
     ),
     Mutation(
         "a successor restores a departed host's export but its work stays with the departed (#16)",

@@ -11,14 +11,17 @@ naming what was seen and the end of its log; the hosts already up are stopped.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+import contextlib
+import itertools
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 import trio
 
 from trio_gym.config import CallerConfig
+from trio_gym.errors import raise_unwrapped
 from trio_gym.trainer.hosts import HealthStatus, HostHandle, Launcher, LaunchFailed, probe
 
 
@@ -55,6 +58,70 @@ class Provider(Launcher, Protocol):
     """Launches hosts and owns them (see the module docstring); also a pool's launcher."""
 
     def hosts(self, n: int, spec: HostSpec) -> AbstractAsyncContextManager[list[HostHandle]]: ...
+
+
+class Launches:
+    """What every provider does the same way: one ``hosts()`` block open at a time, each host
+    a task of the block's nursery (leaving the block cancels them: each stops its host), hosts
+    started concurrently under names of their own (``PREFIX-N``, never reused)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._numbers = itertools.count()
+        self._nursery: trio.Nursery | None = None
+
+    def new_name(self) -> str:
+        return f"{self.prefix}-{next(self._numbers)}"
+
+    @contextlib.asynccontextmanager
+    async def block(self) -> AsyncIterator[None]:
+        """The provider's open ``hosts()`` block; its error (or a failed launch's) raised as
+        itself, not wrapped in the block's nursery's group."""
+        if self._nursery is not None:
+            raise RuntimeError("this provider's hosts() block is already open; use another")
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                try:
+                    yield
+                finally:
+                    self._nursery = None
+                    nursery.cancel_scope.cancel()  # every host's task stops its host
+        except ExceptionGroup as group:
+            raise_unwrapped(group, alike=LaunchFailed)
+
+    async def start(
+        self, run_host: Callable[..., Awaitable[None]], name: str, *args: Any
+    ) -> HostHandle:
+        """``run_host(name, *args)`` as a task of the block; its handle once it is ready."""
+        if self._nursery is None:
+            raise RuntimeError("hosts are launched inside a hosts() block")
+        handle: HostHandle = await self._nursery.start(run_host, name, *args)
+        return handle
+
+    async def start_many(
+        self,
+        n: int,
+        run_host: Callable[..., Awaitable[None]],
+        arguments: Callable[[int], tuple[Any, ...]] = lambda _: (),
+    ) -> list[HostHandle]:
+        """``n`` hosts started at once; every one's handle, in order, or the launch's failure
+        (the hosts already up are stopped with the block)."""
+        if n < 1:
+            raise ValueError("launch at least one host")
+        names = [self.new_name() for _ in range(n)]
+        handles: list[HostHandle | None] = [None] * n
+
+        async def launch(index: int) -> None:
+            handles[index] = await self.start(run_host, names[index], *arguments(index))
+
+        try:
+            async with trio.open_nursery() as launching:
+                for index in range(n):
+                    launching.start_soon(launch, index)
+        except ExceptionGroup as group:
+            raise_unwrapped(group, alike=LaunchFailed)
+        return [handle for handle in handles if handle is not None]
 
 
 async def wait_ready(

@@ -11,7 +11,6 @@ and the end of it into any launch failure.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import sys
 import tempfile
@@ -22,10 +21,9 @@ from pathlib import Path
 import attrs
 import trio
 
-from trio_gym.errors import raise_unwrapped
-from trio_gym.fleet.launch import HostSpec, wait_ready
+from trio_gym.fleet.launch import HostSpec, Launches, wait_ready
 from trio_gym.processes import ProcessTree, run_process_tree
-from trio_gym.trainer.hosts import HostHandle, LaunchFailed
+from trio_gym.trainer.hosts import HostHandle
 
 
 @attrs.define(eq=False)
@@ -52,27 +50,15 @@ class LocalProvider:
         self.bind = bind
         self.poll_interval_s = poll_interval_s
         self._running: dict[str, _Running] = {}
-        self._numbers = itertools.count()
-        self._launch: tuple[trio.Nursery, HostSpec, Path] | None = None
+        self._launches = Launches("local")
+        self._launch: tuple[HostSpec, Path] | None = None
 
     @contextlib.asynccontextmanager
     async def hosts(self, n: int, spec: HostSpec) -> AsyncIterator[list[HostHandle]]:
-        if n < 1:
-            raise ValueError("launch at least one host")
-        if self._launch is not None:
-            raise RuntimeError("this provider's hosts() block is already open; use another")
         with tempfile.TemporaryDirectory(prefix="trio-gym-hosts-") as directory:
-            try:
-                async with trio.open_nursery() as nursery:
-                    self._launch = (nursery, spec, Path(directory))
-                    try:
-                        yield await self._launch_many(n)
-                    finally:
-                        self._launch = None
-                        nursery.cancel_scope.cancel()  # every host's task stops its tree
-            except ExceptionGroup as group:
-                # The block's own error, or a failed launch, as itself (not in our nursery's group).
-                raise_unwrapped(group, alike=LaunchFailed)
+            async with self._launches.block():
+                self._launch = (spec, Path(directory))
+                yield await self._launches.start_many(n, self._run_host)
 
     async def alive(self, handle: HostHandle) -> bool:
         running = self._running.get(handle.name)
@@ -94,38 +80,13 @@ class LocalProvider:
         running = self._running.get(handle.name)
         if running is not None:
             running.scope.cancel()  # stopped by its own task, beside the new one's start
-        return await self._launch_one(self._new_name())
-
-    def _new_name(self) -> str:
-        return f"local-{next(self._numbers)}"
-
-    async def _launch_many(self, n: int) -> list[HostHandle]:
-        names = [self._new_name() for _ in range(n)]
-        handles: list[HostHandle | None] = [None] * n
-
-        async def launch(index: int) -> None:
-            handles[index] = await self._launch_one(names[index])
-
-        try:
-            async with trio.open_nursery() as launching:
-                for index in range(n):
-                    launching.start_soon(launch, index)
-        except ExceptionGroup as group:
-            raise_unwrapped(group, alike=LaunchFailed)
-        return [handle for handle in handles if handle is not None]
-
-    async def _launch_one(self, name: str) -> HostHandle:
-        if self._launch is None:
-            raise RuntimeError("hosts are launched inside a hosts() block")
-        nursery, _, _ = self._launch
-        handle: HostHandle = await nursery.start(self._run_host, name)
-        return handle
+        return await self._launches.start(self._run_host, self._launches.new_name())
 
     async def _run_host(
         self, name: str, *, task_status: trio.TaskStatus[HostHandle] = trio.TASK_STATUS_IGNORED
     ) -> None:
         assert self._launch is not None
-        _, spec, directory = self._launch
+        spec, directory = self._launch
         port_file = directory / f"{name}.port"
         argv = [
             *(self.python, "-m", "trio_gym", "serve"),

@@ -21,7 +21,6 @@ server publishes for that port. Rules:
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import re
 import uuid
@@ -33,8 +32,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from trio_gym.errors import raise_unwrapped
-from trio_gym.fleet.launch import HostSpec, wait_ready
+from trio_gym.fleet.launch import HostSpec, Launches, wait_ready
 from trio_gym.logs import log_event
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
 
@@ -111,26 +109,15 @@ class OpenSandboxProvider:
         self.poll_interval_s = poll_interval_s
         self.request_timeout_s = request_timeout_s
         self._running: dict[str, _Sandbox] = {}
-        self._numbers = itertools.count()
-        self._launch: tuple[trio.Nursery, HostSpec] | None = None
+        self._launches = Launches("sandbox")
+        self._spec: HostSpec | None = None
 
     @contextlib.asynccontextmanager
     async def hosts(self, n: int, spec: HostSpec) -> AsyncIterator[list[HostHandle]]:
-        if n < 1:
-            raise ValueError("launch at least one host")
         refuse_credentials(spec.host_environment())
-        if self._launch is not None:
-            raise RuntimeError("this provider's hosts() block is already open; use another")
-        try:
-            async with trio.open_nursery() as nursery:
-                self._launch = (nursery, spec)
-                try:
-                    yield await self._launch_many(n)
-                finally:
-                    self._launch = None
-                    nursery.cancel_scope.cancel()  # every sandbox's task kills its sandbox
-        except ExceptionGroup as group:
-            raise_unwrapped(group, alike=LaunchFailed)
+        async with self._launches.block():
+            self._spec = spec
+            yield await self._launches.start_many(n, self._run_host)
 
     def sandbox_id(self, handle: HostHandle) -> str | None:
         running = self._running.get(handle.name)
@@ -146,38 +133,13 @@ class OpenSandboxProvider:
         running = self._running.get(handle.name)
         if running is not None:
             running.scope.cancel()
-        return await self._launch_one(self._new_name())
-
-    def _new_name(self) -> str:
-        return f"sandbox-{next(self._numbers)}"
-
-    async def _launch_many(self, n: int) -> list[HostHandle]:
-        names = [self._new_name() for _ in range(n)]
-        handles: list[HostHandle | None] = [None] * n
-
-        async def launch(index: int) -> None:
-            handles[index] = await self._launch_one(names[index])
-
-        try:
-            async with trio.open_nursery() as launching:
-                for index in range(n):
-                    launching.start_soon(launch, index)
-        except ExceptionGroup as group:
-            raise_unwrapped(group, alike=LaunchFailed)
-        return [handle for handle in handles if handle is not None]
-
-    async def _launch_one(self, name: str) -> HostHandle:
-        if self._launch is None:
-            raise RuntimeError("hosts are launched inside a hosts() block")
-        nursery, _ = self._launch
-        handle: HostHandle = await nursery.start(self._run_host, name)
-        return handle
+        return await self._launches.start(self._run_host, self._launches.new_name())
 
     async def _run_host(
         self, name: str, *, task_status: trio.TaskStatus[HostHandle] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        assert self._launch is not None
-        _, spec = self._launch
+        assert self._spec is not None
+        spec = self._spec
         # Shielded: a create cancelled half-way would leave a sandbox nobody kills. The SDK's own
         # request and readiness timeouts bound it.
         with trio.CancelScope(shield=True):

@@ -15,7 +15,6 @@ Ray's calls block, so they run in trio worker threads.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import subprocess
 import sys
@@ -30,8 +29,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from trio_gym.errors import raise_unwrapped
-from trio_gym.fleet.launch import HostSpec, wait_ready
+from trio_gym.fleet.launch import HostSpec, Launches, wait_ready
 from trio_gym.processes.tree import GUARD, GUARD_MARGIN_S
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
 
@@ -137,8 +135,8 @@ class RayProvider:
         self.poll_interval_s = poll_interval_s
         self.placement_timeout_s = placement_timeout_s
         self._owned: dict[str, _Owned] = {}
-        self._numbers = itertools.count()
-        self._launch: tuple[trio.Nursery, HostSpec, Any] | None = None
+        self._launches = Launches("ray")
+        self._launch: tuple[HostSpec, Any] | None = None
 
     @contextlib.asynccontextmanager
     async def hosts(self, n: int, spec: HostSpec) -> AsyncIterator[list[HostHandle]]:
@@ -149,28 +147,20 @@ class RayProvider:
             raise ValueError("launch at least one host")
         if not ray.is_initialized():
             raise RuntimeError("the Ray provider places hosts on a cluster: call ray.init first")
-        if self._launch is not None:
-            raise RuntimeError("this provider's hosts() block is already open; use another")
         group = placement_group([{"CPU": self.cpus_per_host}] * n, strategy="SPREAD")
         try:
-            placed = await trio.to_thread.run_sync(
-                partial(ray.get, group.ready(), timeout=self.placement_timeout_s)
-            )
-            assert placed is not None
-            async with trio.open_nursery() as nursery:
-                self._launch = (nursery, spec, group)
-                try:
-                    yield await self._launch_many(n)
-                finally:
-                    self._launch = None
-                    nursery.cancel_scope.cancel()  # every owner's task stops its host
-        except ExceptionGroup as group_error:
-            raise_unwrapped(group_error, alike=LaunchFailed)
-        except ray.exceptions.GetTimeoutError as exc:
-            raise LaunchFailed(
-                f"Ray could not place {n} bundles of {self.cpus_per_host} CPU within "
-                f"{self.placement_timeout_s:g} s; lower cpus_per_host or add nodes"
-            ) from exc
+            try:
+                await trio.to_thread.run_sync(
+                    partial(ray.get, group.ready(), timeout=self.placement_timeout_s)
+                )
+            except ray.exceptions.GetTimeoutError as exc:
+                raise LaunchFailed(
+                    f"Ray could not place {n} bundles of {self.cpus_per_host} CPU within "
+                    f"{self.placement_timeout_s:g} s; lower cpus_per_host or add nodes"
+                ) from exc
+            async with self._launches.block():
+                self._launch = (spec, group)
+                yield await self._launches.start_many(n, self._run_host, lambda bundle: (bundle,))
         finally:
             remove_placement_group(group)
 
@@ -183,32 +173,7 @@ class RayProvider:
         if owned is None:
             raise LaunchFailed(f"host {handle.name} was not launched by this provider")
         owned.scope.cancel()  # its task stops it and frees its bundle for the new one
-        return await self._launch_one(self._new_name(), owned.bundle)
-
-    def _new_name(self) -> str:
-        return f"ray-{next(self._numbers)}"
-
-    async def _launch_many(self, n: int) -> list[HostHandle]:
-        names = [self._new_name() for _ in range(n)]
-        handles: list[HostHandle | None] = [None] * n
-
-        async def launch(index: int) -> None:
-            handles[index] = await self._launch_one(names[index], index)
-
-        try:
-            async with trio.open_nursery() as launching:
-                for index in range(n):
-                    launching.start_soon(launch, index)
-        except ExceptionGroup as group:
-            raise_unwrapped(group, alike=LaunchFailed)
-        return [handle for handle in handles if handle is not None]
-
-    async def _launch_one(self, name: str, bundle: int) -> HostHandle:
-        if self._launch is None:
-            raise RuntimeError("hosts are launched inside a hosts() block")
-        nursery = self._launch[0]
-        handle: HostHandle = await nursery.start(self._run_host, name, bundle)
-        return handle
+        return await self._launches.start(self._run_host, self._launches.new_name(), owned.bundle)
 
     async def _run_host(
         self,
@@ -221,7 +186,7 @@ class RayProvider:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         assert self._launch is not None
-        _, spec, group = self._launch
+        spec, group = self._launch
         owner: Any = (
             ray.remote(HostOwner)
             .options(
