@@ -1754,6 +1754,20 @@ MUTATIONS = [
         "        return {name: name for name in named}",
         ("tests/test_coordinator.py::test_a_host_that_left_has_its_episodes_restored_on_its_named_successor",),
     ),
+    Mutation(
+        "a replacement that fails to start crashes the pool (review of #16)",
+        "trio_gym/fleet/launch.py",
+        "            handle: HostHandle = await self._nursery.start(run_host, name, *args)\n        except ExceptionGroup as group:",
+        "            handle: HostHandle = await self._nursery.start(run_host, name, *args)\n        except ZeroDivisionError as group:",
+        ("tests/test_pool.py::test_a_replacement_that_fails_to_start_loses_its_slot_not_the_pool",),
+    ),
+    Mutation(
+        "a shutdown during spinup waits forever (review of #16)",
+        "trio_gym/fleet/ray_actor.py",
+        "            if not self._stopping.is_set():  # stop() sets it before it looks for the token",
+        "            if True:",
+        ("tests/test_session.py::test_a_shutdown_during_spinup_ends_the_session_once_its_hosts_are_up",),
+    ),
 ]
 
 

@@ -148,6 +148,39 @@ async def test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_repla
     assert hosts.left_behind() == []
 
 
+async def test_a_replacement_that_fails_to_start_loses_its_slot_not_the_pool(
+    hosts: Hosts, tmp_path: Path
+) -> None:
+    marker = tmp_path / "fail-start"
+    spec = hosts.spec("tests.user_runner:failing_start_once_marked")
+    spec = HostSpec({**spec.environment, "TRIO_GYM_TEST_FAIL_START": str(marker)}, spec.serve_args)
+    provider = LocalProvider()
+    with trio.fail_after(HANG_GUARD_S):
+        async with (
+            provider.hosts(2, spec) as handles,
+            HostPool(
+                handles,
+                PoolSettings(per_host_in_flight=1, probe_interval_s=0.1),
+                client_settings=ClientSettings(chunk_size=2),
+                launcher=provider,
+            ) as pool,
+        ):
+            marker.touch()  # from now on no host of this image starts
+            outcomes, killed = await run_and_signal_the_first_host(
+                pool, hosts, examples(12, sleep_s=0.2), signal.SIGKILL
+            )
+            failed = {i for i, outcome in enumerate(outcomes) if isinstance(outcome, Exception)}
+            assert failed == {run["id"] for run in hosts.runs() if run["pid"] == killed}
+            assert_each_ran_once(hosts, 12)
+            await eventually(lambda: pool.ejected)
+            ((name, why),) = pool.ejected.items()
+            assert why.startswith("its process is gone; its replacement failed: host local-2")
+            assert "this image no longer starts" in why
+            # The pool carries on with the host it has left.
+            assert len(await pool.run(examples(4, sleep_s=0))) == 4
+    assert hosts.left_behind() == []
+
+
 async def test_a_host_that_stalls_mid_batch_is_ejected_and_the_rest_carry_the_batch(
     hosts: Hosts,
 ) -> None:

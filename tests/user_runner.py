@@ -81,3 +81,16 @@ def failing_start() -> FailingStartRunner:
 def _record(line: str) -> None:
     with open(os.environ["TRIO_GYM_TEST_RECORD"], "a", encoding="utf-8") as record:
         record.write(line + "\n")  # one short appended write: lines of several hosts never mix
+
+
+class FailingStartOnceMarkedRunner(RecordingRunner):
+    """Fails its start once ``$TRIO_GYM_TEST_FAIL_START`` exists: hosts launched before the
+    test creates that file start, their replacements do not."""
+
+    async def start(self) -> None:
+        if await trio.Path(os.environ["TRIO_GYM_TEST_FAIL_START"]).exists():
+            raise RuntimeError("this image no longer starts")
+
+
+def failing_start_once_marked() -> FailingStartOnceMarkedRunner:
+    return FailingStartOnceMarkedRunner()

@@ -93,10 +93,15 @@ class Launches:
     async def start(
         self, run_host: Callable[..., Awaitable[None]], name: str, *args: Any
     ) -> HostHandle:
-        """``run_host(name, *args)`` as a task of the block; its handle once it is ready."""
+        """``run_host(name, *args)`` as a task of the block; its handle once it is ready. A host
+        that does not become ready raises :class:`LaunchFailed` as itself (a provider's host
+        task keeps a nursery of its own, which wraps it in a group)."""
         if self._nursery is None:
             raise RuntimeError("hosts are launched inside a hosts() block")
-        handle: HostHandle = await self._nursery.start(run_host, name, *args)
+        try:
+            handle: HostHandle = await self._nursery.start(run_host, name, *args)
+        except ExceptionGroup as group:
+            raise_unwrapped(group, alike=LaunchFailed)
         return handle
 
     async def start_many(

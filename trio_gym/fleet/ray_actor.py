@@ -104,15 +104,28 @@ class Session:
         self._stop: trio.Event | None = None
         self._pool: HostPool | None = None
         self._rollouts: trio.Nursery | None = None
+        self._stopping = threading.Event()
+        """Set by :meth:`stop` first: a session still starting ends as soon as it is up."""
         self._thread = threading.Thread(target=self._run, name="trio-gym-session", daemon=True)
 
+    @property
+    def failure(self) -> BaseException | None:
+        """What made :meth:`start` fail, if it did."""
+        return self._failure
+
     def start(self) -> dict[str, Any]:
-        """Launch the hosts and open the pool; what was launched. Raises what failed."""
+        """Launch the hosts and open the pool; what was launched. Raises what failed, and
+        :class:`SessionFailed` if :meth:`stop` came first."""
+        if self._stopping.is_set():
+            raise SessionFailed("the actor was shut down before its spinup")
         self._thread.start()
         self._started.wait()
         if self._failure is not None:
             self._thread.join()
             raise self._failure
+        if self._stopping.is_set():
+            self._thread.join()
+            raise SessionFailed("the actor was shut down while it spun up; its hosts are stopped")
         return self._descriptor
 
     def healthy(self) -> bool:
@@ -120,7 +133,10 @@ class Session:
             return False
         assert self._pool is not None
         pool = self._pool
-        return bool(trio.from_thread.run_sync(lambda: pool.hosts, trio_token=self._token))
+        try:
+            return bool(trio.from_thread.run_sync(lambda: pool.hosts, trio_token=self._token))
+        except trio.RunFinishedError:
+            return False  # it ended meanwhile
 
     def rows_as_completed(
         self, rows: Sequence[Mapping[str, Any]], cancelled: Callable[[], bool]
@@ -132,7 +148,12 @@ class Session:
             return
         token = self._running_token()
         answered: queue.SimpleQueue[tuple[int, Any, dict[str, Any]] | _Ended] = queue.SimpleQueue()
-        scope = trio.from_thread.run_sync(self._begin, list(rows), answered, trio_token=token)
+        try:
+            scope = trio.from_thread.run_sync(self._begin, list(rows), answered, trio_token=token)
+        except trio.RunFinishedError:
+            raise SessionFailed(
+                "the session has ended (shutdown, or a failure it logged)"
+            ) from None
         delivered = 0
         try:
             while delivered < len(rows):
@@ -154,7 +175,9 @@ class Session:
                     trio.from_thread.run_sync(scope.cancel, trio_token=token)
 
     def stop(self) -> None:
-        """End the session: cancel every batch, stop the hosts, wait for the thread."""
+        """End the session: cancel every batch, stop the hosts, wait for the thread. A session
+        still starting ends as soon as its hosts are up (a launch is not cut half-way)."""
+        self._stopping.set()
         if self._token is not None and self._thread.is_alive():
             assert self._stop is not None
             with contextlib.suppress(trio.RunFinishedError):
@@ -201,7 +224,8 @@ class Session:
             self._descriptor = {"hosts": [{"name": h.name, "url": h.url} for h in handles]}
             self._token = trio.lowlevel.current_trio_token()
             self._started.set()
-            await self._stop.wait()
+            if not self._stopping.is_set():  # stop() sets it before it looks for the token
+                await self._stop.wait()
             rollouts.cancel_scope.cancel()
 
     @contextlib.asynccontextmanager
@@ -230,7 +254,9 @@ class Session:
         answered: queue.SimpleQueue[tuple[int, Any, dict[str, Any]] | _Ended],
     ) -> trio.CancelScope:
         """On the trio thread: start the batch in the session's nursery; its cancel scope."""
-        assert self._rollouts is not None and self._pool is not None
+        assert self._rollouts is not None and self._pool is not None and self._stop is not None
+        if self._stop.is_set():
+            raise SessionFailed("the session is shutting down")
         scope = trio.CancelScope()
         self._rollouts.start_soon(self._feed, self._pool, rows, answered, scope)
         return scope
@@ -264,6 +290,11 @@ class RolloutActor:
     def spinup(self, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Launch the hosts (or take ``urls``) and open the pool; ``{"hosts": [...]}``."""
         if self._session is not None:
+            if self._session.failure is not None:
+                raise RuntimeError(
+                    f"this actor's spinup failed ({self._session.failure}); an actor runs one "
+                    "session: create another actor"
+                )
             raise RuntimeError(
                 "this actor has spun up already: it runs one session and is not restartable "
                 "(a restarted actor would have lost its hosts); create another actor"

@@ -36,6 +36,8 @@ from trio_gym.trainer.hosts import HostHandle, LaunchFailed
 TAIL_LINES: Final = 15
 PORT_WAIT_S: Final = 120.0
 """How long an owner waits for its host to say where it listens."""
+OWNER_ANSWER_S: Final = 30.0
+"""How long a question to a running owner actor may take."""
 
 
 class HostOwner:
@@ -147,7 +149,9 @@ class RayProvider:
             raise ValueError("launch at least one host")
         if not ray.is_initialized():
             raise RuntimeError("the Ray provider places hosts on a cluster: call ray.init first")
-        group = placement_group([{"CPU": self.cpus_per_host}] * n, strategy="SPREAD")
+        group = await trio.to_thread.run_sync(
+            partial(placement_group, [{"CPU": self.cpus_per_host}] * n, strategy="SPREAD")
+        )
         try:
             try:
                 await trio.to_thread.run_sync(
@@ -162,7 +166,8 @@ class RayProvider:
                 self._launch = (spec, group)
                 yield await self._launches.start_many(n, self._run_host, lambda bundle: (bundle,))
         finally:
-            remove_placement_group(group)
+            with trio.CancelScope(shield=True):  # one call to Ray's control store, answered fast
+                await trio.to_thread.run_sync(remove_placement_group, group)
 
     async def alive(self, handle: HostHandle) -> bool:
         owned = self._owned.get(handle.name)
@@ -203,7 +208,7 @@ class RayProvider:
             with trio.CancelScope() as scope:
                 self._owned[name] = _Owned(owner, bundle, scope)
                 started = owner.start.remote(name, argv, spec.host_environment(), spec.stop_grace_s)
-                url: str = await trio.to_thread.run_sync(ray.get, started)
+                url = await _started_at(name, started, PORT_WAIT_S + spec.ready_timeout_s)
                 handle = HostHandle(name, url, control_token=spec.control_token) if url else None
                 task_status.started(
                     await wait_ready(
@@ -221,17 +226,40 @@ class RayProvider:
                 await trio.to_thread.run_sync(_stop_owner, owner, spec.stop_grace_s)
 
 
+async def _started_at(name: str, started: Any, timeout_s: float) -> str:
+    """The URL its owner started the host at ("" if it ended first), or :class:`LaunchFailed`
+    when the owner could not be placed or died (a wait cancellation could not interrupt)."""
+    import ray
+
+    try:
+        url: str = await trio.to_thread.run_sync(_ray_get, started, timeout_s)
+    except ray.exceptions.GetTimeoutError as exc:
+        raise LaunchFailed(
+            f"host {name}: its owner actor did not start it within {timeout_s:g} s (is there "
+            "room on the cluster for its bundle?)"
+        ) from exc
+    except ray.exceptions.RayActorError as exc:
+        raise LaunchFailed(f"host {name}: its owner actor died while starting it: {exc}") from exc
+    return url
+
+
 async def _constant(handle: HostHandle | None) -> HostHandle | None:
     return handle
 
 
 async def _ended(owner: Any) -> str | None:
+    """How the host ended; ``None`` while it runs, or while its owner does not answer (the
+    caller's own health probes then decide)."""
     import ray
 
     try:
-        ended: str | None = await trio.to_thread.run_sync(ray.get, owner.ended.remote())
+        ended: str | None = await trio.to_thread.run_sync(
+            _ray_get, owner.ended.remote(), OWNER_ANSWER_S
+        )
     except ray.exceptions.RayActorError as exc:
         return f"lost its owner actor ({type(exc).__name__})"
+    except ray.exceptions.GetTimeoutError:
+        return None
     return ended
 
 
@@ -243,6 +271,12 @@ async def _output_tail(owner: Any) -> str:
     except ray.exceptions.RayActorError:
         return "its owner actor is gone, and its output with it"
     return tail
+
+
+def _ray_get(ref: Any, timeout_s: float) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=timeout_s)
 
 
 def _stop_owner(owner: Any, grace_s: float) -> None:
