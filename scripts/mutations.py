@@ -1633,7 +1633,9 @@ MUTATIONS = [
         "trio_gym/trainer/pool.py",
         "        if _never_taken(error):",
         "        if True:",
-        ("tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",),
+        (
+            "tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",
+        ),
     ),
     Mutation(
         "the pool takes a host's 503 for the chunk's answer (#16)",
@@ -1647,28 +1649,36 @@ MUTATIONS = [
         "trio_gym/trainer/pool.py",
         "        while not (member.suspect or member.ejected):",
         "        while not member.ejected:",
-        ("tests/test_pool.py::test_a_host_that_stalls_mid_batch_is_ejected_and_the_rest_carry_the_batch",),
+        (
+            "tests/test_pool.py::test_a_host_that_stalls_mid_batch_is_ejected_and_the_rest_carry_the_batch",
+        ),
     ),
     Mutation(
         "a host whose process is gone is probed like a slow one (#16)",
         "trio_gym/trainer/pool.py",
         "            if self.launcher is not None and not await self.launcher.alive(member.handle):",
         "            if False:",
-        ("tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",),
+        (
+            "tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",
+        ),
     ),
     Mutation(
         "the first host's workers take every chunk of a small batch (#16)",
         "trio_gym/trainer/pool.py",
         "            other.in_flight < member.in_flight\n",
         "            False\n",
-        ("tests/test_opensandbox.py::test_hosts_run_in_sandboxes_and_are_killed_when_the_block_ends",),
+        (
+            "tests/test_opensandbox.py::test_hosts_run_in_sandboxes_and_are_killed_when_the_block_ends",
+        ),
     ),
     Mutation(
         "chunks queued when the last host goes wait forever (#16)",
         "trio_gym/trainer/pool.py",
         "            self._fail_everything_waiting(self._no_host_left())",
         "            pass",
-        ("tests/test_pool.py::test_when_every_host_is_gone_the_queued_chunks_fail_naming_each_end",),
+        (
+            "tests/test_pool.py::test_when_every_host_is_gone_the_queued_chunks_fail_naming_each_end",
+        ),
     ),
     Mutation(
         "a host that failed to start is waited for until the timeout (#16)",
@@ -1685,7 +1695,9 @@ MUTATIONS = [
         "trio_gym/fleet/opensandbox.py",
         "                rolled_back = self._kill_launched(launch_id, keep=None)",
         "                rolled_back = []",
-        ("tests/test_opensandbox.py::test_a_create_whose_answer_was_lost_is_rolled_back_and_tried_again",),
+        (
+            "tests/test_opensandbox.py::test_a_create_whose_answer_was_lost_is_rolled_back_and_tried_again",
+        ),
     ),
     Mutation(
         "the sandbox TTL is renewed too late (#16)",
@@ -1699,14 +1711,18 @@ MUTATIONS = [
         "trio_gym/fleet/opensandbox.py",
         '_CREDENTIAL_VARIABLE = re.compile(r"^(OPEN_?SANDBOX_.*|RAY_ADDRESS)$")',
         '_CREDENTIAL_VARIABLE = re.compile(r"^(OPEN_SANDBOX_API_KEY)$")',
-        ("tests/test_opensandbox.py::test_credentials_in_the_hosts_environment_are_refused_before_anything_is_created",),
+        (
+            "tests/test_opensandbox.py::test_credentials_in_the_hosts_environment_are_refused_before_anything_is_created",
+        ),
     ),
     Mutation(
         "a dead answer does not make its host suspect (#16)",
         "trio_gym/trainer/pool.py",
         "            if error.origin is Origin.PROXY:  # the answer died on the way: is the host alive?",
         "            if False:",
-        ("tests/test_pool.py::test_a_host_that_stalls_mid_batch_is_ejected_and_the_rest_carry_the_batch",),
+        (
+            "tests/test_pool.py::test_a_host_that_stalls_mid_batch_is_ejected_and_the_rest_carry_the_batch",
+        ),
     ),
     Mutation(
         "run_rollouts never looks at Ray's cancel flag (#16)",
@@ -1745,14 +1761,18 @@ MUTATIONS = [
         "trio_gym/trainer/restore.py",
         "                    ledger.rehost(old, new)",
         "                    pass",
-        ("tests/test_coordinator.py::test_a_host_that_left_has_its_episodes_restored_on_its_named_successor",),
+        (
+            "tests/test_coordinator.py::test_a_host_that_left_has_its_episodes_restored_on_its_named_successor",
+        ),
     ),
     Mutation(
         "a restore restores each host's export on a host of the same name only (#16)",
         "trio_gym/trainer/restore.py",
         "        return {name: successors.get(name, name) for name in named}",
         "        return {name: name for name in named}",
-        ("tests/test_coordinator.py::test_a_host_that_left_has_its_episodes_restored_on_its_named_successor",),
+        (
+            "tests/test_coordinator.py::test_a_host_that_left_has_its_episodes_restored_on_its_named_successor",
+        ),
     ),
     Mutation(
         "a replacement that fails to start crashes the pool (review of #16)",
@@ -1766,7 +1786,9 @@ MUTATIONS = [
         "trio_gym/fleet/ray_actor.py",
         "            if not self._stopping.is_set():  # stop() sets it before it looks for the token",
         "            if True:",
-        ("tests/test_session.py::test_a_shutdown_during_spinup_ends_the_session_once_its_hosts_are_up",),
+        (
+            "tests/test_session.py::test_a_shutdown_during_spinup_ends_the_session_once_its_hosts_are_up",
+        ),
     ),
 ]
 
