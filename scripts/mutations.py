@@ -1741,8 +1741,8 @@ MUTATIONS = [
     Mutation(
         "the actor spins up a second session over the first (#16)",
         "trio_gym/fleet/ray_actor.py",
-        "        if self._session is not None:\n            raise RuntimeError(",
-        "        if False:\n            raise RuntimeError(",
+        "        if self._session is not None:\n            if self._session.failure is not None:",
+        "        if False:\n            if self._session.failure is not None:",
         ("tests/test_ray.py::test_the_actor_runs_one_session_and_refuses_bad_config",),
     ),
     Mutation(
