@@ -118,20 +118,27 @@ async def test_the_checkpointing_program_checkpoints_then_restores_against_a_liv
     assert second["consumed"] == str(exported)  # and ran each parked episode once more
 
 
-async def test_the_pool_program_launches_local_hosts_and_answers_every_example(
-    tmp_path: Path,
-) -> None:
-    program = next(b for b in code_blocks("python") if "HostPool(" in b)
-    script = tmp_path / "pool.py"
-    script.write_text(program)
-    with trio.fail_after(120):
-        done = await trio.run_process(
+async def run_program(
+    script: Path, program: str, *, timeout_s: float
+) -> trio.CompletedProcess[bytes]:
+    """Run a README program from the checkout's top, importing this checkout's trio_gym."""
+    await trio.Path(script).write_text(program)
+    with trio.fail_after(timeout_s):
+        return await trio.run_process(
             [sys.executable, str(script)],
             capture_stdout=True,
             capture_stderr=True,
             cwd=ROOT,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
+            check=False,
         )
+
+
+async def test_the_pool_program_launches_local_hosts_and_answers_every_example(
+    tmp_path: Path,
+) -> None:
+    program = next(b for b in code_blocks("python") if "HostPool(" in b)
+    done = await run_program(tmp_path / "pool.py", program, timeout_s=120)
     assert done.stdout == b"64 of 64 examples answered\n", done.stderr
 
 
@@ -145,15 +152,7 @@ async def test_the_ray_actor_program_runs_on_a_fresh_cluster(tmp_path: Path) -> 
         'ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", '
         f'_temp_dir="{temporary.name}", log_to_driver=False)'
     )
-    script = tmp_path / "actor.py"
-    script.write_text(program.replace("ray.init()", cluster) + "\nray.shutdown()\n")
-    with temporary, trio.fail_after(180):
-        done = await trio.run_process(
-            [sys.executable, str(script)],
-            capture_stdout=True,
-            capture_stderr=True,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
-            check=False,
-        )
+    with temporary:
+        program = program.replace("ray.init()", cluster) + "\nray.shutdown()\n"
+        done = await run_program(tmp_path / "actor.py", program, timeout_s=180)
     assert done.stdout.startswith(b"16 of 16 rows, mean reward "), done.stderr[-2000:]
