@@ -298,7 +298,8 @@ class HostPool:
                 batch, index = self._queue.popleft()
                 if not batch.abandoned:
                     member.in_flight += 1
-                    self._wake()  # the others' turns changed
+                    if self._queue:  # the others' turns changed; nothing to take, no one to wake
+                        self._wake()
                     return batch, index
             await self._changed.wait()
         return None
@@ -355,7 +356,8 @@ class HostPool:
                 finally:
                     batch.in_flight.discard(request)
                     member.in_flight -= 1
-                    self._wake()
+                    if self._queue:  # a freed slot changes turns only while chunks wait
+                        self._wake()
 
     def _failed(
         self, member: _Member, batch: _Batch, index: int, error: RolloutError, elapsed_s: float
