@@ -25,7 +25,8 @@ from trio_gym.errors import raise_unwrapped
 from trio_gym.trainer.hosts import HealthStatus, HostHandle, Launcher, LaunchFailed, probe
 
 
-def _frozen_environment(environment: Mapping[str, str]) -> Mapping[str, str]:
+def _copied(environment: Mapping[str, str]) -> dict[str, str]:
+    """A copy of its own: a caller changing its mapping later does not change the spec."""
     return dict(environment)
 
 
@@ -33,7 +34,7 @@ def _frozen_environment(environment: Mapping[str, str]) -> Mapping[str, str]:
 class HostSpec:
     """What every host of a launch is."""
 
-    environment: Mapping[str, str] = attrs.field(factory=dict, converter=_frozen_environment)
+    environment: Mapping[str, str] = attrs.field(factory=dict, converter=_copied)
     """The host's launch environment: the caller config's bootstrap variables, usually."""
     serve_args: tuple[str, ...] = ()
     """Further ``trio-gym serve`` flags, where the provider runs the command itself."""

@@ -30,10 +30,10 @@ import attrs
 import trio
 
 from trio_gym.fleet.launch import HostSpec, Launches, wait_ready
+from trio_gym.processes.output import TAIL_LINES
 from trio_gym.processes.tree import GUARD, GUARD_MARGIN_S
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
 
-TAIL_LINES: Final = 15
 PORT_WAIT_S: Final = 120.0
 """How long an owner waits for its host to say where it listens."""
 OWNER_ANSWER_S: Final = 30.0

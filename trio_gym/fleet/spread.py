@@ -62,6 +62,23 @@ def batch_runner(
         raise ValueError("give the hosts: --url URL (repeatable) or --launch KIND:N")
     for url in urls:
         Endpoint.parse(url)  # a bad URL is refused now, before anything runs
+
+    async def run_pool(
+        hosts: Sequence[HostHandle],
+        launcher: Provider | None,
+        examples: Sequence[Mapping[str, Any]],
+        progress: Progress,
+    ) -> list[Any]:
+        pool = HostPool(
+            hosts,
+            pool_settings,
+            client_settings=client_settings,
+            launcher=launcher,
+            progress=progress,
+        )
+        async with pool:
+            return await pool.run(examples)
+
     if len(urls) == 1:
         url = urls[0]
 
@@ -73,32 +90,20 @@ def batch_runner(
 
         return run_on_one
     if launch is None:
-        handles = [HostHandle(f"host-{index}", url) for index, url in enumerate(urls)]
+        given = [HostHandle(f"host-{index}", url) for index, url in enumerate(urls)]
 
-        async def run_on_several(
+        async def run_on_given(
             examples: Sequence[Mapping[str, Any]], progress: Progress
         ) -> list[Any]:
-            pool = HostPool(
-                handles, pool_settings, client_settings=client_settings, progress=progress
-            )
-            async with pool:
-                return await pool.run(examples)
+            return await run_pool(given, None, examples, progress)
 
-        return run_on_several
+        return run_on_given
 
     async def run_on_launched(
         examples: Sequence[Mapping[str, Any]], progress: Progress
     ) -> list[Any]:
         provider = PROVIDERS[launch.kind]()
         async with provider.hosts(launch.count, spec) as launched:
-            pool = HostPool(
-                launched,
-                pool_settings,
-                client_settings=client_settings,
-                launcher=provider,
-                progress=progress,
-            )
-            async with pool:
-                return await pool.run(examples)
+            return await run_pool(launched, provider, examples, progress)
 
     return run_on_launched
