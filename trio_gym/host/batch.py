@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import secrets
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -51,31 +52,62 @@ TRANSITIONS: Final[dict[BatchState, frozenset[BatchState]]] = {
 }
 
 
+_BATCH_PREFIX: Final = secrets.token_hex(6)
+_batch_numbers: Final = itertools.count(1)
+
+
 def new_batch_id() -> str:
-    """Random, so log lines of different host processes never share a batch id."""
-    return secrets.token_hex(6)
+    """A random prefix drawn once per process, so log lines of different host processes never
+    share a batch id, then a count (a random draw per batch is a system call per batch)."""
+    return f"{_BATCH_PREFIX}-{next(_batch_numbers)}"
 
 
 @attrs.define
 class Batch:
-    """A batch's identity and lifecycle; every transition is checked and logged (``answering``
-    at debug level: it is on every successful batch's way to ``done``, a line for nothing)."""
+    """A batch's identity and lifecycle; every transition is checked and logged.
+
+    Two lines at most reach the log at info level: ``batch_running``, written by
+    :meth:`log_running` once the batch has lasted a little (supervision calls it), and the line
+    of how it ended, which carries the running line's fields when that was never written — a
+    short batch is one line, not two. ``answering`` is at debug level: it is on every
+    successful batch's way to ``done``, a line for nothing.
+    """
 
     id: str = attrs.field(factory=new_batch_id)
     size: int = 0
     """Examples in it (known once the body is parsed)."""
     state: BatchState = BatchState.ACCEPTED
     accepted_at: float = attrs.field(factory=trio.current_time)
+    unlogged_running: dict[str, Any] | None = None
+    """The ``batch_running`` line's fields until it is written."""
 
     def advance(self, to: BatchState, **fields: Any) -> None:
         """Move to ``to``; raises ``RuntimeError`` for a move the table does not allow (a bug)."""
         if to not in TRANSITIONS[self.state]:
             raise RuntimeError(f"batch {self.id}: illegal move {self.state.value} -> {to.value}")
         self.state = to
+        if to is BatchState.RUNNING:
+            self.unlogged_running = fields
+            return
+        level = logging.INFO
+        if to is BatchState.ANSWERING:
+            level = logging.DEBUG
+        elif self.unlogged_running is not None:
+            fields = {**self.unlogged_running, **fields}
+            self.unlogged_running = None
+        self._log(to, level, fields)
+
+    def log_running(self) -> None:
+        """Write the ``batch_running`` line, unless it was written or the batch has ended."""
+        if self.unlogged_running is not None and self.state is BatchState.RUNNING:
+            self._log(BatchState.RUNNING, logging.INFO, self.unlogged_running)
+            self.unlogged_running = None
+
+    def _log(self, state: BatchState, level: int, fields: dict[str, Any]) -> None:
         elapsed = round(trio.current_time() - self.accepted_at, 3)
         log_event(
-            f"batch_{to.value}",
-            level=logging.DEBUG if to is BatchState.ANSWERING else logging.INFO,
+            f"batch_{state.value}",
+            level=level,
             batch=self.id,
             examples=self.size,
             elapsed_s=elapsed,
@@ -97,44 +129,50 @@ class AttemptRetired(Exception):
     """The control plane retired this attempt while it ran."""
 
 
-async def run_examples(
+def run_examples(
     host: Host,
     examples: Sequence[Mapping[str, Any]],
     episodes: Sequence[LiveEpisode],
     finished: Callable[[int, Any], None],
     failed: Callable[[int, ExampleFailed], None] | None = None,
-) -> None:
+) -> Awaitable[None]:
     """Run every admitted episode's example at once; ``finished(index, result)`` as each ends.
 
     With ``failed``, a failure is handed to it and the others run on (the per-row answer).
     Without, it raises :class:`ExampleFailed` (in an ``ExceptionGroup`` when several ran: every
     other example is then cancelled). Cancelling the caller cancels every example. A batch of
-    one runs in the caller's task: no nursery, no task, for the commonest batch.
+    one runs in the caller's task: no nursery, no task, and not even a frame of this function
+    (it hands back the example's own coroutine), for the commonest batch.
     """
-
-    async def run_one(live: LiveEpisode) -> None:
-        try:
-            result = await run_example(host, examples[live.index], live)
-        except ExampleFailed as failure:
-            if failed is None:
-                raise
-            failed(live.index, failure)
-        else:
-            finished(live.index, result)
-
     if len(episodes) == 1:
-        await run_one(episodes[0])
-        return
+        only = episodes[0]
+        return run_example(host, examples[only.index], only, finished, failed)
+    return _run_together(host, examples, episodes, finished, failed)
+
+
+async def _run_together(
+    host: Host,
+    examples: Sequence[Mapping[str, Any]],
+    episodes: Sequence[LiveEpisode],
+    finished: Callable[[int, Any], None],
+    failed: Callable[[int, ExampleFailed], None] | None,
+) -> None:
     async with trio.open_nursery() as nursery:
         for live in episodes:
-            nursery.start_soon(run_one, live)
+            nursery.start_soon(run_example, host, examples[live.index], live, finished, failed)
 
 
-async def run_example(host: Host, example: Mapping[str, Any], episode: LiveEpisode) -> Any:
-    """Run one admitted episode; count how it ended; return its result with identity carried.
-
-    Raises :class:`ExampleFailed` wrapping a runner's failure, or ``stale_attempt`` when the
-    control plane retired the attempt while it ran.
+async def run_example(
+    host: Host,
+    example: Mapping[str, Any],
+    episode: LiveEpisode,
+    finished: Callable[[int, Any], None],
+    failed: Callable[[int, ExampleFailed], None] | None,
+) -> None:
+    """Run one admitted episode, count how it ended, and report it: ``finished(index, result)``
+    with identity carried, or ``failed(index, failure)`` — raised instead when there is no
+    ``failed`` — for a runner's failure, or ``stale_attempt`` when the control plane retired the
+    attempt while it ran. (One function, no wrapper: every frame is kept by a held batch.)
     """
     context = ExampleContext(
         episode.batch_id,
@@ -148,20 +186,30 @@ async def run_example(host: Host, example: Mapping[str, Any], episode: LiveEpiso
     # Counted in `finally`: a runner with a nursery of its own ends a cancellation with a group
     # of Cancelled, which `except trio.Cancelled` would not see.
     outcome = "cancelled"
+    failure: ExampleFailed | None = None
     try:
         with episode.scope:
             result = await host.runner.run_example(example, context)
             outcome = "completed"
     except Exception as exc:  # any runner failure is this example's failure, reported as such
         outcome = "failed"
-        raise ExampleFailed(episode.index, exc) from exc
+        failure = ExampleFailed(episode.index, exc)
+        failure.__cause__ = exc
     finally:
         host.stats.count_end(outcome)
         host.episodes.end(episode)
-    if episode.scope.cancelled_caught:
+    if failure is None and episode.scope.cancelled_caught:
         retired = AttemptRetired(f"{episode.id.capture_key} was retired while it ran")
-        raise ExampleFailed(episode.index, retired, ErrorCode.STALE_ATTEMPT)
-    return carry_identity(example, result, episode.id if host.tracks_episodes else None)
+        failure = ExampleFailed(episode.index, retired, ErrorCode.STALE_ATTEMPT)
+    if failure is None:
+        finished(
+            episode.index,
+            carry_identity(example, result, episode.id if host.tracks_episodes else None),
+        )
+    elif failed is None:
+        raise failure
+    else:
+        failed(episode.index, failure)
 
 
 def carry_identity(example: Mapping[str, Any], result: Any, episode: EpisodeId | None) -> Any:

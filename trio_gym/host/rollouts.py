@@ -72,6 +72,9 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
+_DECODER: Final = json.JSONDecoder(parse_constant=_refuse_constant)
+
+
 def parse_rollout_request(body: bytes) -> RolloutRequest:
     """Decode and validate the body; raises ``invalid_request`` saying exactly what is wrong."""
     try:
@@ -84,7 +87,7 @@ def parse_rollout_request(body: bytes) -> RolloutRequest:
     if not text.strip():
         raise WireError(ErrorCode.INVALID_REQUEST, 'the body is empty; send {"examples": [...]}')
     try:
-        data = json.loads(text, parse_constant=_refuse_constant)
+        data = _DECODER.decode(text)
     except ValueError as exc:
         raise WireError(ErrorCode.INVALID_REQUEST, f"the body is not valid JSON: {exc}") from exc
     except RecursionError as exc:

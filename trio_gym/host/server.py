@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import socket
 import urllib.parse
 from collections.abc import Awaitable, Callable
-from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -92,7 +93,9 @@ def _all_methods() -> str:
     return ", ".join(sorted(method.decode() for method in methods))
 
 
-async def _route(host: Host, conn: HttpConnection, head: h11.Request, *, busy: bool) -> None:
+def _route(host: Host, head: h11.Request, *, busy: bool) -> Handler:
+    """The handler of ``head``'s path and method; raises the refusal when there is none. (It
+    returns the handler rather than awaiting it: a frame less kept by every held batch.)"""
     if busy:
         raise _busy(host)
     path = route_path(head.target)
@@ -110,7 +113,7 @@ async def _route(host: Host, conn: HttpConnection, head: h11.Request, *, busy: b
             f"{head.method.decode('ascii', 'replace')} is not allowed on {path}; use {allowed}",
             headers=[("allow", allowed)],
         )
-    await handler(host, conn, head)
+    return handler
 
 
 def _busy(host: Host) -> WireError:
@@ -122,16 +125,12 @@ def _busy(host: Host) -> WireError:
     )
 
 
-async def _answer(host: Host, conn: HttpConnection, *, busy: bool) -> None:
-    """Read the request and answer it; a refusal of any kind is answered here, in one place."""
-    try:
-        head = await read_request_head(conn)
-        await _route(host, conn, head, busy=busy)
-    except WireError as error:
-        # Whatever the head held, an over-cap connection hears the same answer.
-        refusal = _busy(host) if busy else error
-        log_event("refused", status=refusal.status, code=refusal.code.value, reason=refusal.message)
-        await send_json(conn, refusal.status, refusal.envelope(), headers=refusal.headers)
+async def _refuse(host: Host, conn: HttpConnection, error: WireError, *, busy: bool) -> None:
+    """Answer a refusal of any kind, in one place. Whatever the head held, an over-cap
+    connection hears the same answer."""
+    refusal = _busy(host) if busy else error
+    log_event("refused", status=refusal.status, code=refusal.code.value, reason=refusal.message)
+    await send_json(conn, refusal.status, refusal.envelope(), headers=refusal.headers)
 
 
 async def handle_connection(host: Host, stream: trio.abc.Stream) -> None:
@@ -160,7 +159,11 @@ async def handle_connection(host: Host, stream: trio.abc.Stream) -> None:
     busy = admission is host.overflow_slots
     conn = HttpConnection(stream, h11.SERVER, host.refusal_limits if busy else host.limits)
     try:
-        await _answer(host, conn, busy=busy)
+        try:  # read the request and answer it (here, not in a function: a frame per held batch)
+            head = await read_request_head(conn)
+            await _route(host, head, busy=busy)(host, conn, head)
+        except WireError as error:
+            await _refuse(host, conn, error, busy=busy)
         await conn.close()
     except ConnectionLost as exc:
         log_event("caller_gone", reason=str(exc))
@@ -178,6 +181,49 @@ async def _answer_internal_error(conn: HttpConnection) -> None:
     error = WireError(ErrorCode.INTERNAL, "the host failed unexpectedly; its log has the details")
     with contextlib.suppress(ConnectionLost):
         await send_json(conn, error.status, error.envelope())
+
+
+# accept() errors that mean "out of file descriptors or memory for now": wait, then retry.
+_ACCEPT_LATER_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_RETRY_S: Final = 0.1
+ACCEPTS_PER_WAKE: Final = 64
+
+
+async def accept_connections(
+    host: Host, listener: trio.SocketListener, connections: trio.Nursery
+) -> None:
+    """Accept forever, each connection handled in ``connections``.
+
+    Every connection waiting is accepted in one go after one wake-up (at most
+    ``ACCEPTS_PER_WAKE``), where ``SocketListener.accept`` takes a trip through the scheduler
+    for each; and ``trio.serve_listeners`` would also close every stream forcefully after its
+    handler (a cancelled checkpoint, an exception raised and caught, per connection) though
+    :func:`handle_connection` has always closed it already.
+    """
+    async with listener:
+        # A second descriptor of the listening socket, as a standard socket: its accept() does
+        # not wait (the listening socket is non-blocking) and is not a checkpoint.
+        with socket.socket(fileno=os.dup(listener.socket.fileno())) as accepting:
+            while True:
+                await trio.lowlevel.wait_readable(accepting)
+                for _ in range(ACCEPTS_PER_WAKE):
+                    try:
+                        accepted, _ = accepting.accept()
+                    except BlockingIOError:
+                        break
+                    except OSError as exc:
+                        if exc.errno not in _ACCEPT_LATER_ERRNOS:
+                            raise
+                        log_event(
+                            "accept_failed",
+                            level=logging.ERROR,
+                            error=str(exc),
+                            retry_s=ACCEPT_RETRY_S,
+                        )
+                        await trio.sleep(ACCEPT_RETRY_S)
+                        break
+                    stream = trio.SocketStream(trio.socket.from_stdlib_socket(accepted))
+                    connections.start_soon(handle_connection, host, stream)
 
 
 def write_port_file(path: Path, port: int) -> None:
@@ -229,14 +275,8 @@ async def serve(
             async with trio.open_nursery() as server_tasks:
                 server_tasks.start_soon(host.bootstrap, services)
                 server_tasks.start_soon(host.checkpoints.watch_lease)
-                server_tasks.start_soon(
-                    partial(
-                        trio.serve_listeners,
-                        partial(handle_connection, host),
-                        listeners,
-                        handler_nursery=connections,
-                    )
-                )
+                for listener in listeners:
+                    server_tasks.start_soon(accept_connections, host, listener, connections)
                 log_event("listening", host=config.host, port=port)
                 task_status.started(port)
                 await host.shutdown_requested.wait()

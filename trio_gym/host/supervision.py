@@ -19,6 +19,7 @@ outlives it is cancelled and still answered (``deadline_exceeded``).
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Final
 
 import attrs
@@ -28,12 +29,17 @@ from trio_gym.errors import ErrorCode, WireError, leaves
 from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection
 
 from .batch import Batch
-from .pacer import Beat, Pacer
+from .pacer import Pacer
 from .state import Host
 
-# Two probe writes this far apart tell a half-closed caller from a departed one when the round
-# trip is shorter (loopback and in-region links are well under it); for longer round trips the
-# next heartbeat write notices instead, within one more interval.
+# The caller watcher starts this long into a batch (and its running line is logged then): most
+# short batches are over by then, and spawning, parking and cancelling a task for each was a
+# tenth of their cost. A caller who leaves sooner is noticed this late at most.
+WATCH_AFTER_S: Final = 0.005
+
+# Two probe writes tell a half-closed caller from a departed one (see probe_delay_s): this far
+# apart at most, and when the kernel does not say what the round trip is. For a round trip
+# longer than that the next heartbeat write notices instead, within one more interval.
 PROBE_DELAY_S: Final = 0.2
 
 
@@ -54,41 +60,46 @@ async def supervise(
     error that stopped it. Raises :class:`ConnectionLost` if the caller left, after every
     example was cancelled.
     """
-    examples_scope = trio.CancelScope(deadline=trio.current_time() + deadline_s)
     caller_lost: ConnectionLost | None = None
     beat: _Heartbeat | None = None
+    completed = False
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_caller, conn, body, heartbeat)
-            pacing: Beat | None = None
+            # The batch's own scope is the examples' scope too: its deadline, the host's
+            # shutdown and a departed caller each cancel everything in it (one cancel scope
+            # less kept by every held batch). How it ended is told apart below.
+            batch_scope = nursery.cancel_scope
+            batch_scope.deadline = trio.current_time() + deadline_s
+            pacer = host.pacer
+            if not pacer.running:
+                # A host driven without serve (embedded, or a test): the batch owns a pacer of
+                # its own, so heartbeats and the watcher's start take the same road either way.
+                pacer = Pacer()
+                await nursery.start(pacer.run)
+            lasting = partial(_batch_lasts, nursery, batch, conn, body, heartbeat)
+            timers = [pacer.call_after(WATCH_AFTER_S, lasting)]
             if body is not None:
-                pacer = host.pacer
-                if not pacer.running:
-                    # A host driven without serve (embedded, or a test): the batch owns a
-                    # pacer of its own, so heartbeats take the same road either way.
-                    pacer = Pacer()
-                    await nursery.start(pacer.run)
-                beat = _Heartbeat(body, heartbeat, nursery.cancel_scope)
-                pacing = pacer.start_every(host.config.heartbeat_interval_s, beat)
-            host.cancel_on_shutdown(examples_scope)
+                beat = _Heartbeat(body, heartbeat, batch_scope)
+                timers.append(pacer.start_every(host.config.heartbeat_interval_s, beat))
+            host.cancel_on_shutdown(batch_scope)
             # Tracked so that time spent in a checkpoint does not count against the deadline.
-            host.checkpoints.track_batch(batch.id, examples_scope)
+            host.checkpoints.track_batch(batch.id, batch_scope)
             try:
-                with examples_scope:
-                    await work()
+                await work()
+                completed = True
             finally:
                 host.checkpoints.untrack_batch(batch.id)
-                host.forget_on_shutdown(examples_scope)
-                if pacing is not None:
-                    pacing.stop()
-            nursery.cancel_scope.cancel()
+                host.forget_on_shutdown(batch_scope)
+                for timer in timers:
+                    timer.stop()
+            batch_scope.cancel()  # the watcher, and the batch's own pacer if it has one
     except* ConnectionLost as group:
         caller_lost = leaves(group)[0]
     if caller_lost is None and beat is not None:
         caller_lost = beat.lost
     if caller_lost is not None:
         raise caller_lost
-    if not examples_scope.cancelled_caught:
+    if completed:
         return None
     if host.shutdown_requested.is_set():
         return WireError(
@@ -101,6 +112,18 @@ async def supervise(
         "its unfinished examples were cancelled; send fewer or shorter examples per request, "
         "or a larger deadline_s (capped by NMP_ROLLOUT_DEADLINE_S)",
     )
+
+
+def _batch_lasts(
+    nursery: trio.Nursery,
+    batch: Batch,
+    conn: HttpConnection,
+    body: ChunkedBody | None,
+    heartbeat: bytes,
+) -> None:
+    """The batch outlived ``WATCH_AFTER_S``: watch its caller, say in the log that it runs."""
+    nursery.start_soon(_watch_caller, conn, body, heartbeat)
+    batch.log_running()
 
 
 @attrs.define
@@ -130,5 +153,16 @@ async def _watch_caller(conn: HttpConnection, body: ChunkedBody | None, heartbea
         # departed one cannot be told apart; a reset is still noticed, the deadline bounds the rest.
         return
     await body.send(heartbeat)
-    await trio.sleep(PROBE_DELAY_S)
+    await trio.sleep(probe_delay_s(conn))
     await body.send(heartbeat)
+
+
+def probe_delay_s(conn: HttpConnection) -> float:
+    """How long after the first probe write the second goes: twice the connection's measured
+    round trip and a millisecond (a departed caller's kernel answers the first with a reset
+    within one round trip; the second and the millisecond absorb jitter and scheduling), never
+    more than ``PROBE_DELAY_S`` — which is the delay when the kernel does not say."""
+    round_trip = conn.round_trip_s()
+    if round_trip is None:
+        return PROBE_DELAY_S
+    return min(PROBE_DELAY_S, 2 * round_trip + 0.001)
