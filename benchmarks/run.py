@@ -30,6 +30,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVERS = ("trio_gym", "threaded", "uvicorn")
+# The stack's floor (benchmarks/peers/floor.py): measured on short batches only.
+FLOORS = ("floor_bare", "floor_h11", "floor_tasks")
 HEARTBEAT_S = 1.0
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -67,6 +69,9 @@ class Server:
                 NMP_MAX_RESPONSE_BYTES=str(1 << 30),
             )
             command = [sys.executable, "-m", "trio_gym", "serve"]
+        elif kind in FLOORS:
+            command = [sys.executable, "-m", "benchmarks.peers.floor", str(self.port)]
+            command += ["--variant", kind.removeprefix("floor_"), "--heartbeat-s", str(HEARTBEAT_S)]
         else:
             module = {"threaded": "benchmarks.peers.threaded", "uvicorn": "benchmarks.peers.asgi"}
             command = [sys.executable, "-m", module[kind], str(self.port)]
@@ -193,6 +198,8 @@ def held(kind: str, count: int, scratch: Path) -> dict[str, Any]:
         "heartbeats": len(lateness),
         "ramp_s": ramp_s,
         "steady_lateness_p99_ms": 1000 * percentile(steady, 99),
+        # The whole distribution, for the figure: the lateness at each percent, 0 to 100.
+        "lateness_percentiles_ms": [1000 * percentile(lateness, p) for p in range(101)],
         "cpu_s": cpu,
     }
 
@@ -298,6 +305,8 @@ def median_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
         values = [run[key] for run in runs]
         if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             merged[key] = statistics.median(values)
+        elif all(isinstance(v, list) and v and isinstance(v[0], float) for v in values):
+            merged[key] = [statistics.median(column) for column in zip(*values, strict=True)]
         elif all(v is None or isinstance(v, (int, float)) for v in values):
             present = [v for v in values if v is not None]
             merged[key] = statistics.median(present) if present else None
@@ -360,12 +369,25 @@ def table(results: Path) -> str:
     return "\n".join(lines)
 
 
+def floor_table(results: Path) -> str:
+    """Short batches' requests per second of every server and of the stack's floor."""
+    short_medians = json.loads(results.read_text())["medians"].get("short", {})
+    lines = ["| server | requests/s (one core) | latency p50 (ms) |", "|---|---|---|"]
+    for kind in SERVERS + FLOORS:
+        if kind in short_medians:
+            figures = short_medians[kind]
+            lines.append(
+                f"| {kind} | {figures['requests_per_s']:.0f} | {figures['latency_p50_ms']:.1f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--servers", default=",".join(SERVERS))
+    parser.add_argument("--servers", default=",".join(SERVERS + FLOORS))
     parser.add_argument("--only", default="held,short,ttfb,stop,large")
     parser.add_argument("--sizes", default="100,1000,10000")
     parser.add_argument("--short-s", type=int, default=20)
@@ -375,7 +397,7 @@ def main() -> None:
     parser.add_argument("--table", type=Path, help="print a results file's medians as markdown")
     args = parser.parse_args()
     if args.table:
-        print(table(args.table))
+        print(table(args.table) + "\n\n" + floor_table(args.table))
         return
     if args.quick:
         args.runs, args.sizes, args.short_s, args.stop_count = 1, "100,1000", 5, 3
@@ -394,6 +416,10 @@ def main() -> None:
         scratch = Path(tmp)
         for _ in range(args.runs):
             for kind in servers:
+                if kind in FLOORS:
+                    if "short" in only:
+                        record("short", kind, short(kind, args.short_s, scratch))
+                    continue
                 if "held" in only:
                     for size in sizes:
                         record(f"held-{size}", kind, held(kind, size, scratch))

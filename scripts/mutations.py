@@ -66,8 +66,8 @@ MUTATIONS = [
     Mutation(
         "shield removed from the write span",
         "trio_gym/http/connection.py",
-        "            with trio.CancelScope(shield=True):",
-        "            with trio.CancelScope(shield=False):",
+        "        with trio.CancelScope(shield=True), trio.move_on_after(",
+        "        with trio.CancelScope(shield=False), trio.move_on_after(",
         (
             "tests/test_http_mechanics.py::test_a_write_cancelled_half_way_still_completes",
             "tests/test_http_mechanics.py::test_a_shielded_write_is_bounded_by_send_timeout",
@@ -76,8 +76,8 @@ MUTATIONS = [
     Mutation(
         "close without draining (reset destroys the 413)",
         "trio_gym/host/server.py",
-        "        await _answer(host, conn, busy=busy)\n        await conn.close()",
-        "        await _answer(host, conn, busy=busy)\n        await conn.aclose()",
+        "            await _refuse(host, conn, error, busy=busy)\n        await conn.close()",
+        "            await _refuse(host, conn, error, busy=busy)\n        await conn.aclose()",
         ("tests/test_host_wire.py::test_413_is_read_by_a_client_still_uploading_50_mb",),
     ),
     Mutation(
@@ -104,7 +104,7 @@ MUTATIONS = [
     Mutation(
         "no caller watcher (only heartbeats notice a departure)",
         "trio_gym/host/supervision.py",
-        "            nursery.start_soon(_watch_caller, conn, body, heartbeat)\n",
+        "    nursery.start_soon(_watch_caller, conn, body, heartbeat)\n",
         "",
         ("tests/test_host_wire.py::test_a_caller_that_leaves_mid_batch_cancels_every_example",),
     ),
@@ -121,8 +121,8 @@ MUTATIONS = [
     Mutation(
         "the deadline does not apply",
         "trio_gym/host/supervision.py",
-        "examples_scope = trio.CancelScope(deadline=trio.current_time() + deadline_s)",
-        "examples_scope = trio.CancelScope()",
+        "            batch_scope.deadline = trio.current_time() + deadline_s",
+        '            batch_scope.deadline = float("inf")',
         (
             "tests/test_host_clock.py::test_deadline_cancels_every_running_example",
             "tests/test_host_wire.py::test_http_10_deadline_is_504",
@@ -345,8 +345,8 @@ MUTATIONS = [
     Mutation(
         "a body written as one write (send_timeout_s then bounds the whole body)",
         "trio_gym/http/connection.py",
-        "                    if len(pending) >= self.limits.write_bytes:",
-        "                    if False:",
+        "            if len(pending) >= self.limits.write_bytes:",
+        "            if False:",
         (
             "tests/test_http_mechanics.py::test_send_timeout_bounds_a_stall_not_a_slow_steady_reader",
         ),
@@ -680,7 +680,7 @@ MUTATIONS = [
     Mutation(
         "the pacer not woken for a beat due earlier than its next wake-up",
         "trio_gym/host/pacer.py",
-        "        if self._beats[0][2] is beat:\n            self._earlier.set()",
+        "        if at < self._wake_at:\n            self._earlier.set()",
         "        if False:\n            self._earlier.set()",
         ("tests/test_pacer.py::test_beats_are_called_at_their_own_times_in_order",),
     ),
@@ -712,8 +712,8 @@ MUTATIONS = [
     Mutation(
         "owed bytes not paid before the next write",
         "trio_gym/http/connection.py",
-        "                pending = bytearray(self._owed)",
-        "                pending = bytearray()",
+        "        pending = bytearray(self._owed)",
+        "        pending = bytearray()",
         (
             "tests/test_http_mechanics.py::test_a_write_without_waiting_owes_what_the_kernel_did_not_take",
         ),
@@ -755,8 +755,8 @@ MUTATIONS = [
     Mutation(
         "a failure handed over still cancels the other examples (#15)",
         "trio_gym/host/batch.py",
-        "            failed(live.index, failure)",
-        "            failed(live.index, failure)\n            raise",
+        "        failed(episode.index, failure)",
+        "        failed(episode.index, failure)\n        raise failure",
         ("tests/test_rows.py::test_a_failed_example_is_a_sidecar_row_and_the_stream_goes_on",),
     ),
     Mutation(
@@ -795,8 +795,8 @@ MUTATIONS = [
     Mutation(
         "a batch paces its heartbeats itself even when the host's pacer runs (#15)",
         "trio_gym/host/supervision.py",
-        "                if not pacer.running:",
-        "                if True:",
+        "            if not pacer.running:",
+        "            if True:",
         ("tests/test_host_clock.py::test_heartbeats_ride_the_hosts_pacer_or_one_the_batch_owns",),
     ),
     Mutation(
@@ -1478,8 +1478,8 @@ MUTATIONS = [
     Mutation(
         "episode identity invented with the control plane off (#13)",
         "trio_gym/host/batch.py",
-        "    return carry_identity(example, result, episode.id if host.tracks_episodes else None)",
-        "    return carry_identity(example, result, episode.id)",
+        "            carry_identity(example, result, episode.id if host.tracks_episodes else None),",
+        "            carry_identity(example, result, episode.id),",
         (
             "tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys_and_none_invented",
             "tests/test_agents.py::test_records_carry_what_gyms_collection_stamps_and_nothing_invented",
@@ -1789,6 +1789,114 @@ MUTATIONS = [
         (
             "tests/test_session.py::test_a_shutdown_during_spinup_ends_the_session_once_its_hosts_are_up",
         ),
+    ),
+    Mutation(
+        "the half-close probe waits 0.2 s whatever the round trip (#17)",
+        "trio_gym/host/supervision.py",
+        "    round_trip = conn.round_trip_s()",
+        "    round_trip = None",
+        ("tests/test_host_wire.py::test_the_half_close_probe_waits_by_the_measured_round_trip",),
+    ),
+    Mutation(
+        "the round trip read from the wrong field of tcp_info (tcpi_rto) (#17)",
+        "trio_gym/http/connection.py",
+        "_TCPI_RTT_OFFSET: Final = 8 + 15 * 4",
+        "_TCPI_RTT_OFFSET: Final = 8 + 0 * 4",
+        ("tests/test_host_wire.py::test_the_half_close_probe_waits_by_the_measured_round_trip",),
+    ),
+    Mutation(
+        "a stopped beat keeps its connection alive until it is due (#17)",
+        "trio_gym/host/pacer.py",
+        "        self.call = _stopped",
+        "        pass",
+        (
+            "tests/test_pacer.py::test_a_stopped_beat_lets_go_at_once_and_stopped_beats_do_not_pile_up",
+        ),
+    ),
+    Mutation(
+        "stopped beats pile up in the pacer's heap (#17)",
+        "trio_gym/host/pacer.py",
+        "        if len(self._beats) >= self._compact_at:\n            self._compact()",
+        "        if False:\n            self._compact()",
+        (
+            "tests/test_pacer.py::test_a_stopped_beat_lets_go_at_once_and_stopped_beats_do_not_pile_up",
+        ),
+    ),
+    Mutation(
+        "the pacer wakes for every beat however close together (#17)",
+        "trio_gym/host/pacer.py",
+        "max(self._beats[0][0], woke + RESOLUTION_S) if self._beats else math.inf",
+        "self._beats[0][0] if self._beats else math.inf",
+        ("tests/test_pacer.py::test_beats_due_close_together_share_one_wake_up",),
+    ),
+    Mutation(
+        "a close always waits for the caller's end-of-file (#17)",
+        "trio_gym/http/connection.py",
+        "            drain = not (self._lost or self._closed or self._nothing_unread())",
+        "            drain = not (self._lost or self._closed)",
+        (
+            "tests/test_http_mechanics.py::test_a_request_read_whole_is_closed_without_waiting_for_the_callers_close",
+        ),
+    ),
+    Mutation(
+        "a close at once though the caller's body is still arriving (#17)",
+        "trio_gym/http/connection.py",
+        "        if not (self.peer_is_done_sending or self.eof_received):\n            return False",
+        "        if False:\n            return False",
+        ("tests/test_host_wire.py::test_413_is_read_by_a_client_still_uploading_50_mb",),
+    ),
+    Mutation(
+        "a connection never yields however much it reads and writes (#17)",
+        "trio_gym/http/connection.py",
+        "UNYIELDING_BYTES: Final = 64 * 1024",
+        "UNYIELDING_BYTES: Final = 1 << 62",
+        (
+            "tests/test_http_mechanics.py::test_a_short_exchange_takes_no_trip_through_the_scheduler_and_a_long_one_does",
+        ),
+    ),
+    Mutation(
+        "every send takes a trip through the scheduler (#17)",
+        "trio_gym/http/connection.py",
+        "        if self._send_lock.locked() or self._unyielding_left <= 0:",
+        "        if True:",
+        (
+            "tests/test_http_mechanics.py::test_a_short_exchange_takes_no_trip_through_the_scheduler_and_a_long_one_does",
+        ),
+    ),
+    Mutation(
+        "a batch's running line written at once, short or not (#17)",
+        "trio_gym/host/batch.py",
+        "            self.unlogged_running = fields\n            return",
+        "            self._log(to, level=logging.INFO, fields=fields)\n            return",
+        ("tests/test_host_clock.py::test_a_short_batch_is_one_log_line_and_a_lasting_one_two",),
+    ),
+    Mutation(
+        "a lasting batch's running line never written (#17)",
+        "trio_gym/host/supervision.py",
+        "    batch.log_running()",
+        "    pass",
+        ("tests/test_host_clock.py::test_a_short_batch_is_one_log_line_and_a_lasting_one_two",),
+    ),
+    Mutation(
+        "a short batch's one line loses what the running line would have said (#17)",
+        "trio_gym/host/batch.py",
+        "            fields = {**self.unlogged_running, **fields}",
+        "            fields = dict(fields)",
+        ("tests/test_host_clock.py::test_a_short_batch_is_one_log_line_and_a_lasting_one_two",),
+    ),
+    Mutation(
+        "a log line written directly drops its fields (#17)",
+        "trio_gym/logs.py",
+        "        text = _line(time.time(), name, event, fields)",
+        "        text = _line(time.time(), name, event, {})",
+        ("tests/test_logs.py::test_a_line_written_directly_reads_as_one_written_through_a_record",),
+    ),
+    Mutation(
+        "a batch that finished answered as if its deadline had passed (#17)",
+        "trio_gym/host/supervision.py",
+        "                completed = True",
+        "                completed = False",
+        ("tests/test_host_clock.py::test_heartbeat_cadence_over_a_30_minute_batch",),
     ),
 ]
 

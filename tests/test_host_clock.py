@@ -7,6 +7,7 @@ and every time below is exact.
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 import pytest
@@ -364,3 +365,31 @@ async def test_a_shutdown_while_the_body_arrives_refuses_the_batch(
         reply = await read_reply(client)
     assert reply.status == 503 and reply.json()["error"]["code"] == "shutting_down"
     assert not runner.started
+
+
+async def test_a_short_batch_is_one_log_line_and_a_lasting_one_two(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch's running line is written once it has lasted WATCH_AFTER_S; a batch over by then
+    is one line, its end, carrying what the running line would have said."""
+    caplog.set_level(logging.INFO, logger="trio_gym")
+    host = make_host(CountingRunner(), heartbeat_interval_s=15)
+    lines: dict[float, list[tuple[str, dict[str, Any]]]] = {}
+    for think_s in (0.0, 1.0):
+        caplog.clear()
+        async with trio.open_nursery() as nursery:
+            reply = await exchange(
+                open_connection(nursery, host),
+                request_bytes(episodes(1, meetings=1, think_s=think_s)),
+            )
+        assert reply.status == 200 and reply.complete
+        lines[think_s] = [
+            (record.getMessage(), getattr(record, "trio_gym_fields", {}))
+            for record in caplog.records
+            if record.getMessage().startswith("batch_")
+        ]
+    [(short_event, short_fields)] = lines[0.0]
+    assert short_event == "batch_done" and short_fields["mode"] == "document"
+    (running, running_fields), (done, done_fields) = lines[1.0]
+    assert (running, done) == ("batch_running", "batch_done")
+    assert running_fields["mode"] == "document" and "mode" not in done_fields

@@ -9,8 +9,10 @@ import socket
 import struct
 from typing import Any
 
+import h11
 import pytest
 import trio
+import trio.testing
 
 from tests.helpers import (
     CountingRunner,
@@ -23,6 +25,8 @@ from tests.helpers import (
     tcp_exchange,
 )
 from trio_gym.config import ServeConfig
+from trio_gym.host.supervision import PROBE_DELAY_S, probe_delay_s
+from trio_gym.http import HttpConnection, HttpLimits
 
 HANG_GUARD_S = 30  # only a guard against a hang; no test asserts how long anything took
 
@@ -578,6 +582,30 @@ async def test_a_half_closed_caller_over_tcp_gets_its_answer() -> None:
             reply = await exchange(stream, request_bytes(request), half_close=True)
     assert reply.complete and len(reply.json()["results"]) == 2
     assert not runner.cancelled
+
+
+async def test_the_half_close_probe_waits_by_the_measured_round_trip() -> None:
+    """An end-of-file is probed with two writes: a departed caller's kernel answers the first
+    with a reset within a round trip, so the second waits twice the kernel's measured round
+    trip and a millisecond — the 0.2 s bound only where the kernel does not say."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with listeners[0]:
+        port = listeners[0].socket.getsockname()[1]
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        server = await listeners[0].accept()
+    async with client, server:
+        await client.send_all(b"ping")
+        await server.receive_some(4)
+        await server.send_all(b"pong")
+        await client.receive_some(4)
+        over_tcp = HttpConnection(server, h11.SERVER, HttpLimits())
+        round_trip = over_tcp.round_trip_s()
+        assert round_trip is not None and 0 < round_trip < PROBE_DELAY_S
+        assert probe_delay_s(over_tcp) < PROBE_DELAY_S
+    _, memory = trio.testing.memory_stream_pair()
+    in_memory = HttpConnection(memory, h11.SERVER, HttpLimits())
+    assert in_memory.round_trip_s() is None
+    assert probe_delay_s(in_memory) == PROBE_DELAY_S
 
 
 async def test_garbage_storm_never_kills_the_server() -> None:

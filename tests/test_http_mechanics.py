@@ -19,6 +19,7 @@ from trio_gym.http import (
     send_body,
     send_empty,
 )
+from trio_gym.http.connection import UNYIELDING_BYTES
 
 
 async def server_with_request(
@@ -242,3 +243,50 @@ async def test_bytes_owed_for_send_timeout_mean_the_peer_is_gone() -> None:
             body.send_nowait(b"z")
         assert conn.lost
         await conn.aclose()
+
+
+async def _tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    """The server's and the client's end of one loopback TCP connection."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with listeners[0]:
+        port = listeners[0].socket.getsockname()[1]
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        server = await listeners[0].accept()
+    return server, client
+
+
+async def test_a_request_read_whole_is_closed_without_waiting_for_the_callers_close() -> None:
+    """Nothing unread, nothing arriving: the close sends no reset, so the caller's end-of-file
+    is not waited for (a round trip per answer, and the drain's timer)."""
+    server, client = await _tcp_pair()
+    conn = HttpConnection(server, h11.SERVER, HttpLimits(drain_timeout_s=3600))
+    async with client:
+        await client.send_all(request_bytes(b"{}"))
+        head = await read_request_head(conn)
+        await read_body(conn, head, max_bytes=100, idle_timeout_s=5)
+        await send_body(conn, 200, b"whole", content_type="text/plain")
+        with trio.fail_after(10):  # the caller never closes: only the drain would wait here
+            await conn.close()
+        reply = bytearray()
+        while data := await client.receive_some(65536):
+            reply += data
+    assert reply.endswith(b"\r\n\r\nwhole")
+
+
+async def test_a_short_exchange_takes_no_trip_through_the_scheduler_and_a_long_one_does() -> None:
+    """Reads and writes that the socket allows at once skip the scheduler for the first
+    UNYIELDING_BYTES of a connection; past them each write is a checkpoint again, so one fast
+    peer cannot keep its task from yielding to the others."""
+    server_sock, client_sock = trio.socket.socketpair()
+    server, client = trio.SocketStream(server_sock), trio.SocketStream(client_sock)
+    conn = HttpConnection(server, h11.SERVER, HttpLimits())
+    async with client, server:
+        await client.send_all(request_bytes(b"{}"))
+        with trio.testing.assert_no_checkpoints():
+            head = await read_request_head(conn)
+            await read_body(conn, head, max_bytes=100, idle_timeout_s=5)
+            body = await ChunkedBody.start(conn, 200, content_type="text/plain")
+            await body.send(b"x" * (UNYIELDING_BYTES // 2))
+        await body.send(b"x" * (UNYIELDING_BYTES // 2))
+        with trio.testing.assert_checkpoints():
+            await body.send(b"y")
