@@ -114,6 +114,25 @@ async def test_413_is_read_by_a_client_still_uploading_50_mb() -> None:
     assert connection == "close"
 
 
+async def test_a_413_survives_a_body_that_starts_after_the_answer() -> None:
+    """Refused before its body arrived, the caller's body then comes: a socket closed at once
+    (nothing was unread at that moment) would answer it with a reset, and the reset destroys
+    the 413 the caller has not read yet. The close waits for the caller's end instead."""
+    async with running_host(runner=CountingRunner(), max_request_bytes=1024) as (host, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(
+                b"POST /rollouts/run HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 1000000\r\n\r\n"
+            )
+            await trio.sleep(0.3)  # the 413 is written meanwhile; nothing of the body is sent
+            await stream.send_all(b"x" * 200_000)  # then a body the host will not read
+            await trio.sleep(0.3)
+            with trio.fail_after(HANG_GUARD_S):
+                reply = await read_reply(stream)
+    assert reply.status == 413 and error_code(reply) == "payload_too_large"
+
+
 async def test_chunked_upload_over_the_limit_is_refused_as_it_arrives() -> None:
     async with running_host(runner=CountingRunner(), max_request_bytes=1000) as (host, port):
         stream = await trio.open_tcp_stream("127.0.0.1", port)

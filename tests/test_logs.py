@@ -13,13 +13,11 @@ from trio_gym import logs
 
 
 @pytest.fixture
-def configured() -> Iterator[io.StringIO]:
-    """``logs.configure`` into a buffer, and the logger as it was afterwards."""
+def logger_restored() -> Iterator[None]:
+    """The logger as it was, after a test that configures it."""
     saved = (list(logs.LOGGER.handlers), logs.LOGGER.level, logs.LOGGER.propagate, logs._lines)
-    stream = io.StringIO()
-    logs.configure(stream)
     try:
-        yield stream
+        yield
     finally:
         handlers, level, propagate, lines = saved
         logs.LOGGER.handlers[:] = handlers
@@ -28,9 +26,12 @@ def configured() -> Iterator[io.StringIO]:
         logs._lines = lines
 
 
-def test_a_line_written_directly_reads_as_one_written_through_a_record(
-    configured: io.StringIO,
-) -> None:
+@pytest.mark.usefixtures("logger_restored")
+def test_a_line_written_directly_reads_as_one_written_through_a_record() -> None:
+    configured = io.StringIO()
+    # Here, not in a fixture: pytest gives the logger capture handlers of its own for each
+    # phase of a test, and lines are written directly only where ours is the only one.
+    logs.configure(configured)
     logs.log_event("direct", batch="b1", examples=2, when=object)
     also_elsewhere = logging.NullHandler()  # an embedder's handler: records are made again
     logs.LOGGER.addHandler(also_elsewhere)
