@@ -20,9 +20,9 @@ import matplotlib
 import matplotlib.ticker
 
 matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402 — after the backend is chosen
+import matplotlib.pyplot as plt
 
-from benchmarks.run import FLOORS, ROOT, SERVERS  # noqa: E402
+from benchmarks.run import FLOORS, ROOT, SERVERS
 
 COLOURS = {"trio_gym": "tab:blue", "threaded": "tab:orange", "uvicorn": "tab:green"}
 LABELS = {
