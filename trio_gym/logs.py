@@ -67,7 +67,8 @@ class _DirectLines:
 
     def write(self, level: int, event: str, fields: dict[str, Any]) -> None:
         name = _LEVEL_NAMES.get(level) or logging.getLevelName(level).lower()
-        text = _line(time.time(), name, event, fields) + "\n"
+        # A log line's timestamp is wall time by design (as a record's `created` is).
+        text = _line(time.time(), name, event, fields) + "\n"  # clock-ok
         self.handler.acquire()  # the handler's own lock: records and lines never interleave
         try:
             self.handler.stream.write(text)

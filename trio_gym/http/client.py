@@ -85,11 +85,13 @@ async def open_tcp(endpoint: Endpoint) -> trio.abc.Stream:
     except ValueError:
         return await trio.open_tcp_stream(endpoint.host, endpoint.port)
     sock = trio.socket.socket(family, socket.SOCK_STREAM)
+    connected = False
     try:
         await sock.connect((endpoint.host, endpoint.port))
-    except BaseException:
-        sock.close()
-        raise
+        connected = True
+    finally:
+        if not connected:  # refused, or cancelled while connecting: no descriptor left open
+            sock.close()
     return trio.SocketStream(sock)
 
 
