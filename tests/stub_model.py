@@ -10,6 +10,12 @@ message of the request:
 - otherwise: a ``get_weather`` call first, then, once the tool's output is in the input, a plain
   message — the verifier rewards 1.
 
+Like a vLLM policy, the output item it generates carries ``prompt_token_ids``,
+``generation_token_ids`` and ``generation_log_probs`` (what Gym's token-ID capture records), unless
+the last user message contains ``[no-tokens]``. Its "tokenizer" gives each input or output item
+the same ids wherever it appears, so a continuation's prompt extends its parent's prompt and
+generation, as a real policy's does.
+
 ``GET /stats`` answers its counters (calls, calls in flight, callers that hung up), so a test in
 another process can read them. Run on its own, ``python -m tests.stub_model PORT_FILE`` listens
 on a free loopback port and writes the port to ``PORT_FILE``.
@@ -30,6 +36,40 @@ import trio
 from tests.fake_gym import LoopbackServer, read_request, respond
 
 _ids = itertools.count()
+
+
+def _item_tokens(item: dict[str, Any]) -> list[int]:
+    """The ids one item stands for: the same for an item generated and for it echoed back."""
+    kind = item.get("type") or "message"
+    if kind == "function_call":
+        text = f"call {item.get('name')} {item.get('arguments')}"
+    elif kind == "function_call_output":
+        text = f"output {item.get('output')}"
+    else:
+        content = item.get("content")
+        if isinstance(content, list):
+            content = "".join(
+                str(part.get("text", "")) for part in content if isinstance(part, dict)
+            )
+        text = f"{item.get('role', 'assistant')} {content}"
+    return [3 + byte % 250 for byte in text.encode()[:24]]
+
+
+def _prompt_tokens(request: dict[str, Any]) -> list[int]:
+    items = request.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    return [token for item in items or [] if isinstance(item, dict) for token in _item_tokens(item)]
+
+
+def _with_tokens(item: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    generated = _item_tokens(item)
+    return {
+        **item,
+        "prompt_token_ids": _prompt_tokens(request),
+        "generation_token_ids": generated,
+        "generation_log_probs": [-0.5] * len(generated),
+    }
 
 
 def _response(output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -122,10 +162,14 @@ class StubModel(LoopbackServer):
                 await self._hang_until_the_caller_leaves(stream)
             elif "[fail]" in text:
                 await respond(stream, 500, b'{"error": {"message": "the stub model refuses"}}')
-            elif "[no-tool]" in text or _has_tool_output(request):
-                await respond(stream, 200, json.dumps(_response([_message("Sunny.")])).encode())
             else:
-                await respond(stream, 200, json.dumps(_response([_weather_call()])).encode())
+                if "[no-tool]" in text or _has_tool_output(request):
+                    item = _message("Sunny.")
+                else:
+                    item = _weather_call()
+                if "[no-tokens]" not in text:
+                    item = _with_tokens(item, request)
+                await respond(stream, 200, json.dumps(_response([item])).encode())
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         finally:

@@ -19,7 +19,7 @@ from tests.helpers import request_bytes, running_host, tcp_exchange
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
 from trio_gym.runners import AgentError, AgentSettings, AgentsRunner, ExampleContext
-from trio_gym.runners.base import start_progress_to
+from trio_gym.runners.base import start_reports_to
 from trio_gym.runners.deployment import Deployment
 
 HANG_GUARD_S = 30
@@ -172,7 +172,7 @@ async def test_an_agent_error_fails_its_example_with_the_status_and_an_excerpt()
             document = await tcp_exchange(port, request_bytes(batch))
             rows = await tcp_exchange(port, request_bytes(batch, headers=ROWS))
     message = document.json()["error"]["message"]
-    assert message.startswith("example 0 failed: AgentError: agent 'flaky' at 127.0.0.1:")
+    assert message.startswith("example 0 failed: RolloutFailed: agent 'flaky' at 127.0.0.1:")
     assert "answered HTTP 500: agent exploded: xxx" in message and "(2016 bytes)" in message
     lines = [json.loads(line) for line in rows.body.split(b"\n") if line.strip()]
     assert {line.get("index"): "error" in line for line in lines if "index" in line} == {
@@ -180,6 +180,16 @@ async def test_an_agent_error_fails_its_example_with_the_status_and_an_excerpt()
         1: False,
     }
     assert lines[-1] == {"done": True, "completed": 1, "failed": 1}
+    # The sidecar row carries the failure record Gym's collection writes for a failed /run.
+    record = next(line for line in lines if line.get("index") == 0)["record"]
+    assert record["_ng_failure_class"] == "agent_run_error"  # a server answered: it ran, broke
+    assert record["_ng_failure_type"] == "HTTPStatusError"
+    assert record["_ng_failure_http_status"] == 500
+    body = record["_ng_failure_response_body"]
+    assert body.startswith("agent exploded: xxx") and body.endswith("…") and len(body) == 2001
+    assert "answered HTTP 500" in record["_ng_failure_message"]
+    assert (record["_ng_task_index"], record["_ng_rollout_index"]) == (0, 0)  # numbered
+    assert record["agent_ref"] == {"name": "flaky"}
 
 
 async def test_a_dropped_connection_is_not_resent_and_requests_match_sends() -> None:
@@ -343,7 +353,14 @@ async def test_records_carry_what_gyms_collection_stamps_and_nothing_invented() 
     assert (second["_ng_rollout_id"], second["_ng_attempt_index"]) == ("r-9", 2)
     assert (third["task_source"], third["skills_ref"]) == ("weather", "s")
     assert servers["agent"].requests == []  # every row went through the environment server
-    assert sorted(servers["env"].requests, key=str) == sorted([plain, named, sourced], key=str)
+    # Numbered as Gym's collection numbers them: a task index from the row's position.
+    numbered = [plain, {**named, "_ng_task_index": 1}, {**sourced, "_ng_task_index": 2}]
+    numbered = [{"_ng_rollout_index": 0, **row} for row in numbered]
+    assert sorted(servers["env"].requests, key=str) == sorted(numbered, key=str)
+    assert [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in (second, third)] == [
+        (1, 0),
+        (2, 0),
+    ]
 
 
 async def test_an_agent_named_outright_stamps_its_ref_and_no_environment_server() -> None:
@@ -539,7 +556,15 @@ async def test_the_start_waits_for_a_head_server_that_comes_up_later(
             head.ready = True
 
         nursery.start_soon(ready_at_60)
-        with start_progress_to(lambda detail: progress.append((trio.current_time(), detail))):
+
+        class Reports:
+            def progress(self, detail: str) -> None:
+                progress.append((trio.current_time(), detail))
+
+            def note(self, text: str) -> None:
+                raise AssertionError(f"nothing to note, but {text!r}")
+
+        with start_reports_to(Reports()):
             await runner.start()
         up = trio.current_time()
     assert 60 <= up <= 65  # looked at again within the largest backoff

@@ -67,8 +67,12 @@ async def test_run_prints_results_to_stdout_without_out(tmp_path: Path) -> None:
     assert [json.loads(line)["seed"] for line in done.stdout.splitlines()] == [4, 5]
 
 
-async def test_a_failure_exits_1_with_its_cause_and_writes_nothing(tmp_path: Path) -> None:
-    examples = write_examples(tmp_path / "in.jsonl", [{"seed": 1, "think_s": 5}])
+async def test_a_failed_chunk_exits_1_with_its_cause_and_a_failure_record_per_example(
+    tmp_path: Path,
+) -> None:
+    examples = write_examples(
+        tmp_path / "in.jsonl", [{"seed": 1, "think_s": 5}, {"seed": 2, "_ng_task_index": 7}]
+    )
     out = tmp_path / "out.jsonl"
     async with running_host(runner=CountingRunner()) as (host, port):
         late = await trio_gym_run(
@@ -88,9 +92,60 @@ async def test_a_failure_exits_1_with_its_cause_and_writes_nothing(tmp_path: Pat
     )
     assert late.returncode == 1 and b"failed (sandbox)" in late.stderr
     assert b"deadline_exceeded" in late.stderr
-    assert not out.exists()
+    assert out.read_text() == ""  # no example has a result
+    failures = list(map(json.loads, (tmp_path / "out_failures.jsonl").read_text().splitlines()))
+    assert [f["_ng_failure_class"] for f in failures] == ["host_request_failed"] * 2
+    assert [(f["_ng_task_index"], f["_ng_rollout_index"]) for f in failures] == [(0, 0), (7, 0)]
+    assert all("deadline_exceeded" in f["_ng_failure_message"] for f in failures)
+    assert failures[0]["_trio_gym_failure_origin"] == "sandbox"
+    assert b"2 of 2 examples failed; their failure records are in" in late.stderr
     assert unreachable.returncode == 1 and b"failed (proxy)" in unreachable.stderr
     assert b"could not connect" in unreachable.stderr
+
+
+async def test_a_failed_example_costs_its_chunk_mates_nothing_and_lands_beside_the_results(
+    tmp_path: Path,
+) -> None:
+    rows = [{"seed": i, "meetings": 2} for i in range(6)]
+    rows[2] = {"seed": 2, "meetings": 2, "fail_at_step": 1, "_ng_task_index": 2}
+    examples = write_examples(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    stale = tmp_path / "out_failures.jsonl"
+    async with running_host(runner=CountingRunner()) as (host, port):
+        done = await trio_gym_run(
+            str(examples), "--url", f"http://127.0.0.1:{port}", "--out", str(out)
+        )
+        written = [json.loads(line)["seed"] for line in out.read_text().splitlines()]
+        failed = [json.loads(line) for line in stale.read_text().splitlines()]
+        stale.write_text("an earlier run's\n")
+        clean = await trio_gym_run(
+            str(write_examples(tmp_path / "good.jsonl", [rows[0]])),
+            *("--url", f"http://127.0.0.1:{port}", "--out", str(out)),
+        )
+    assert done.returncode == 1, done.stderr
+    assert b"1 of 6 examples failed" in done.stderr and b"5 results in" in done.stderr
+    # One chunk of six: the five others were not cancelled with it, and keep their order.
+    assert written == [0, 1, 3, 4, 5]
+    assert [f["_ng_task_index"] for f in failed] == [2]
+    assert host.stats.examples_cancelled == 0
+    assert clean.returncode == 0 and not stale.exists()  # no stale sidecar beside clean results
+
+
+async def test_the_failure_record_of_a_failed_example_is_the_hosts(tmp_path: Path) -> None:
+    rows = [{"seed": i, "meetings": 2} for i in range(4)]
+    rows[1] = {"seed": 1, "meetings": 2, "fail_at_step": 1, "_ng_task_index": 1}
+    examples = write_examples(tmp_path / "in.jsonl", rows)
+    out = tmp_path / "out.jsonl"
+    async with running_host(runner=CountingRunner()) as (host, port):
+        done = await trio_gym_run(
+            str(examples), "--url", f"http://127.0.0.1:{port}", "--out", str(out)
+        )
+    assert done.returncode == 1, done.stderr
+    assert [r["seed"] for r in map(json.loads, out.read_text().splitlines())] == [0, 2, 3]
+    (failure,) = map(json.loads, (tmp_path / "out_failures.jsonl").read_text().splitlines())
+    assert failure["_ng_failure_class"] == "runner_error"
+    assert failure["_ng_failure_type"] == "EnvironmentFault"
+    assert failure["_ng_task_index"] == 1  # the row's identity, carried
 
 
 async def test_a_bad_examples_file_exits_2_naming_the_line(tmp_path: Path) -> None:

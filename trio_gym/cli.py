@@ -128,7 +128,12 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         help="with --launch: a caller config (YAML) the launched hosts are started from",
     )
-    run_cmd.add_argument("--out", type=Path, help="write results here (default: stdout)")
+    run_cmd.add_argument(
+        "--out",
+        type=Path,
+        help="write results here (default: stdout); failure records go to <stem>_failures.jsonl "
+        "beside it",
+    )
     run_cmd.add_argument("--chunk-size", type=int, default=8, help="examples per request (8)")
     run_cmd.add_argument(
         "--max-in-flight",
@@ -296,6 +301,7 @@ def _run(args: argparse.Namespace) -> int:
             max_attempts=args.max_attempts,
             host_deadline_s=args.deadline,
             http_version="1.0" if args.http10 else "1.1",
+            failures="records",  # a failed example costs no other its result
         )
         run_batch = batch_runner(
             urls=args.urls,

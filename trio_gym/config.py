@@ -131,13 +131,18 @@ class ServeConfig(BaseModel):
     )
     gym_python: str = Field(
         default="",
-        description="For runner 'gym': the Python interpreter that has nemo_gym (default: this "
-        "one, when nemo_gym imports here).",
+        description="For runner 'gym', and for finalizing Gym's records: the Python interpreter "
+        "that has nemo_gym (default: this one, when nemo_gym imports here).",
     )
     gym_start_timeout_s: PositiveSeconds = Field(
         default=600.0,
         description="How long a Gym deployment (runner 'gym', or a head server for runner "
         "'agents') may take to answer before the start fails.",
+    )
+    gym_finalize_timeout_s: PositiveSeconds = Field(
+        default=60.0,
+        description="Longest Gym's finalizer may take over one record (or one capture cleared) "
+        "before the row fails and the finalizer is started again.",
     )
     gym_stop_grace_s: PositiveSeconds = Field(
         default=10.0,
@@ -250,6 +255,7 @@ ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
     "gym_global_config": "NMP_GYM_GLOBAL_CONFIG",
     "gym_python": "NMP_GYM_PYTHON",
     "gym_start_timeout_s": "NMP_GYM_START_TIMEOUT_S",
+    "gym_finalize_timeout_s": "NMP_GYM_FINALIZE_TIMEOUT_S",
     "gym_stop_grace_s": "NMP_GYM_STOP_GRACE_S",
     "dataset_path": "NMP_DATASET_PATH",
     "broker_url": "NMP_BROKER_URL",

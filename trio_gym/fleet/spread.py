@@ -54,7 +54,8 @@ def batch_runner(
     client_settings: ClientSettings,
     pool_settings: PoolSettings,
 ) -> BatchRunner:
-    """The call that runs one batch on the hosts chosen; raises ``ValueError`` for a choice
+    """The call that runs one batch on the hosts chosen (each example's outcome, as
+    :data:`~trio_gym.trainer.batch_file.BatchRunner` says); raises ``ValueError`` for a choice
     that cannot work (no hosts, both URLs and a launch, a bad URL)."""
     if launch is not None and urls:
         raise ValueError("give --url or --launch, not both")
@@ -77,7 +78,7 @@ def batch_runner(
             progress=progress,
         )
         async with pool:
-            return await pool.run(examples)
+            return await pool.outcomes(examples)
 
     if len(urls) == 1:
         url = urls[0]
@@ -86,7 +87,7 @@ def batch_runner(
             examples: Sequence[Mapping[str, Any]], progress: Progress
         ) -> list[Any]:
             client = RolloutClient(url, client_settings, progress=progress)
-            return await client.run(examples)
+            return await client.outcomes(examples)
 
         return run_on_one
     if launch is None:

@@ -17,8 +17,22 @@ from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import encode_json
 from trio_gym.http.messages import BODY_PIECE_BYTES
 from trio_gym.logs import log_event
-from trio_gym.protocol.identity import ATTEMPT_KEY, IDENTITY_KEYS, ROLLOUT_ID_KEY, EpisodeId
+from trio_gym.protocol.identity import (
+    ATTEMPT_KEY,
+    IDENTITY_KEYS,
+    ROLLOUT_ID_KEY,
+    EpisodeId,
+    rollout_id_of,
+)
+from trio_gym.protocol.rollouts import (
+    FAILURE_CLASS_KEY,
+    FAILURE_MESSAGE_KEY,
+    FAILURE_TYPE_KEY,
+    RUNNER_ERROR,
+    STALE_ATTEMPT,
+)
 from trio_gym.runners import ExampleContext
+from trio_gym.runners.base import Delivery, RecordedFailure
 
 from .episodes import LiveEpisode
 from .state import Host, ResultsInfo
@@ -116,13 +130,26 @@ class Batch:
 
 
 class ExampleFailed(Exception):
-    """Example ``index`` failed: its runner raised, or (``stale_attempt``) it was retired."""
+    """Example ``index`` failed: its runner raised, or (``stale_attempt``) it was retired.
+    ``record`` is its failure record, identity carried (see :func:`failure_record`)."""
 
-    def __init__(self, index: int, error: Exception, code: ErrorCode = ErrorCode.INTERNAL) -> None:
+    def __init__(
+        self,
+        index: int,
+        error: Exception,
+        record: dict[str, Any],
+        code: ErrorCode = ErrorCode.INTERNAL,
+    ) -> None:
         super().__init__(index, error)
         self.index = index
         self.error = error
+        self.record = record
         self.code = code
+
+
+Finished = Callable[[int, Any, Sequence[Delivery]], None]
+"""Told of each example that finished: its index, its result, and what to run once the result
+has reached the caller."""
 
 
 class AttemptRetired(Exception):
@@ -133,10 +160,12 @@ def run_examples(
     host: Host,
     examples: Sequence[Mapping[str, Any]],
     episodes: Sequence[LiveEpisode],
-    finished: Callable[[int, Any], None],
+    finished: Finished,
     failed: Callable[[int, ExampleFailed], None] | None = None,
+    row_offset: int = 0,
 ) -> Awaitable[None]:
-    """Run every admitted episode's example at once; ``finished(index, result)`` as each ends.
+    """Run every admitted episode's example at once; ``finished(index, result, deliveries)`` as
+    each ends. ``row_offset`` is the position of the first example in the caller's whole input.
 
     With ``failed``, a failure is handed to it and the others run on (the per-row answer).
     Without, it raises :class:`ExampleFailed` (in an ``ExceptionGroup`` when several ran: every
@@ -146,41 +175,50 @@ def run_examples(
     """
     if len(episodes) == 1:
         only = episodes[0]
-        return run_example(host, examples[only.index], only, finished, failed)
-    return _run_together(host, examples, episodes, finished, failed)
+        return run_example(host, examples[only.index], only, finished, failed, row_offset)
+    return _run_together(host, examples, episodes, finished, failed, row_offset)
 
 
 async def _run_together(
     host: Host,
     examples: Sequence[Mapping[str, Any]],
     episodes: Sequence[LiveEpisode],
-    finished: Callable[[int, Any], None],
+    finished: Finished,
     failed: Callable[[int, ExampleFailed], None] | None,
+    row_offset: int,
 ) -> None:
     async with trio.open_nursery() as nursery:
         for live in episodes:
-            nursery.start_soon(run_example, host, examples[live.index], live, finished, failed)
+            example = examples[live.index]
+            nursery.start_soon(run_example, host, example, live, finished, failed, row_offset)
 
 
 async def run_example(
     host: Host,
     example: Mapping[str, Any],
     episode: LiveEpisode,
-    finished: Callable[[int, Any], None],
+    finished: Finished,
     failed: Callable[[int, ExampleFailed], None] | None,
+    row_offset: int,
 ) -> None:
-    """Run one admitted episode, count how it ended, and report it: ``finished(index, result)``
-    with identity carried, or ``failed(index, failure)`` — raised instead when there is no
-    ``failed`` — for a runner's failure, or ``stale_attempt`` when the control plane retired the
-    attempt while it ran. (One function, no wrapper: every frame is kept by a held batch.)
+    """Run one admitted episode, count how it ended, and report it: ``finished(index, result,
+    deliveries)`` with identity carried, or ``failed(index, failure)`` — raised instead when
+    there is no ``failed`` — for a runner's failure, or ``stale_attempt`` when the control plane
+    retired the attempt while it ran. (One function, no wrapper: every frame is kept by a held
+    batch.) With the control plane on, a row that names no rollout reaches the runner with the
+    one assigned to it, the id its result and its captures carry.
     """
     context = ExampleContext(
         episode.batch_id,
         episode.index,
+        position=row_offset + episode.index,
         capture_key=episode.id.capture_key,
         restored=episode.restored.state if episode.restored is not None else None,
         hooks=host.episodes,
     )
+    identity = episode.id if host.tracks_episodes else None
+    if identity is not None and rollout_id_of(example) is None:
+        example = {**example, ROLLOUT_ID_KEY: identity.rollout_id}
     episode.started = True
     host.stats.examples_started += 1
     # Counted in `finally`: a runner with a nursery of its own ends a cancellation with a group
@@ -193,23 +231,28 @@ async def run_example(
             outcome = "completed"
     except Exception as exc:  # any runner failure is this example's failure, reported as such
         outcome = "failed"
-        failure = ExampleFailed(episode.index, exc)
+        record = carry_identity(example, failure_record(exc), identity)
+        failure = ExampleFailed(episode.index, exc, record)
         failure.__cause__ = exc
     finally:
         host.stats.count_end(outcome)
         host.episodes.end(episode)
     if failure is None and episode.scope.cancelled_caught:
         retired = AttemptRetired(f"{episode.id.capture_key} was retired while it ran")
-        failure = ExampleFailed(episode.index, retired, ErrorCode.STALE_ATTEMPT)
+        record = carry_identity(example, failure_record(retired, STALE_ATTEMPT), identity)
+        failure = ExampleFailed(episode.index, retired, record, ErrorCode.STALE_ATTEMPT)
     if failure is None:
-        finished(
-            episode.index,
-            carry_identity(example, result, episode.id if host.tracks_episodes else None),
-        )
+        finished(episode.index, carry_identity(example, result, identity), context.deliveries)
     elif failed is None:
         raise failure
     else:
         failed(episode.index, failure)
+
+
+async def deliver(deliveries: Sequence[Delivery]) -> None:
+    """Run what finished examples registered for after their results reached the caller."""
+    for delivery in deliveries:
+        await delivery()
 
 
 def carry_identity(example: Mapping[str, Any], result: Any, episode: EpisodeId | None) -> Any:
@@ -230,6 +273,19 @@ def carry_identity(example: Mapping[str, Any], result: Any, episode: EpisodeId |
         identity[ATTEMPT_KEY] = episode.attempt
     missing = {key: value for key, value in identity.items() if result.get(key) is None}
     return {**result, **missing} if missing else result
+
+
+def failure_record(error: Exception, failure_class: str = RUNNER_ERROR) -> dict[str, Any]:
+    """The failure record of an example that failed with ``error``: the environment's own when
+    the runner gave one (:class:`~trio_gym.runners.base.RecordedFailure`: Gym's), else the
+    host's, of ``failure_class``, naming the error (its message bounded as a headline is)."""
+    if isinstance(error, RecordedFailure):
+        return dict(error.record)
+    return {
+        FAILURE_CLASS_KEY: failure_class,
+        FAILURE_TYPE_KEY: type(error).__name__,
+        FAILURE_MESSAGE_KEY: str(error)[:HEADLINE_CHARS],
+    }
 
 
 def describe_failure(failure: ExampleFailed, note: str = "") -> str:

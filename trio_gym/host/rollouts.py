@@ -2,7 +2,10 @@
 
 Two answers: one JSON document (the default; HTTP/1.1 chunked with single-space heartbeats, or
 HTTP/1.0 buffered), or, with ``Accept: application/x-ndjson``, a per-row stream (:mod:`.rows`).
-The supervision both share is in :mod:`.supervision`.
+The supervision both share is in :mod:`.supervision`. A document fails as a whole when one
+example fails, as the upstream host's does, unless the request asks for ``"failures":
+"records"``: then each failed example's failure record takes its place among the results
+(:mod:`trio_gym.protocol.rollouts`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,9 @@ from trio_gym.http import (
     send_body,
 )
 from trio_gym.protocol.identity import EpisodeId
+from trio_gym.protocol.rollouts import FailureMode
 from trio_gym.runners import Runner
+from trio_gym.runners.base import Delivery
 
 from .batch import (
     Batch,
@@ -38,6 +43,7 @@ from .batch import (
     ResultsDocument,
     batch_error,
     coalesce,
+    deliver,
     run_examples,
 )
 from .episodes import LiveEpisode
@@ -60,12 +66,16 @@ TOO_LARGE_ADVICE: Final = (
 
 
 class RolloutRequest(BaseModel):
-    """The request body: ``{"examples": [{...}, ...], "deadline_s": <optional seconds>}``."""
+    """The request body: ``{"examples": [{...}, ...], "deadline_s": <optional seconds>}``, and
+    optionally ``"failures": "batch" | "records"`` and ``"row_offset": N``
+    (:mod:`trio_gym.protocol.rollouts`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     examples: list[dict[str, Any]]
     deadline_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    failures: FailureMode = "batch"
+    row_offset: Annotated[int, Field(ge=0)] = 0
 
 
 def _refuse_constant(name: str) -> Any:
@@ -222,12 +232,12 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
         host.stats.batches_running += 1
         try:
             if rows:
-                await answer_with_rows(host, conn, batch, request.examples, admitted, deadline_s)
+                await answer_with_rows(
+                    host, conn, batch, request.examples, admitted, deadline_s, request.row_offset
+                )
             else:
                 episodes = [live for live in admitted if isinstance(live, LiveEpisode)]
-                await _answer_with_document(
-                    host, conn, batch, request.examples, episodes, deadline_s
-                )
+                await _answer_with_document(host, conn, batch, request, episodes, deadline_s)
         except ConnectionLost as exc:
             batch.advance(BatchState.ABANDONED, reason=str(exc))
         finally:
@@ -251,23 +261,36 @@ async def _answer_with_document(
     host: Host,
     conn: HttpConnection,
     batch: Batch,
-    examples: Sequence[dict[str, Any]],
+    request: RolloutRequest,
     episodes: Sequence[LiveEpisode],
     deadline_s: float,
 ) -> None:
     """HTTP/1.1: the status line now, heartbeats while the batch runs, the document as chunks.
     HTTP/1.0 has no chunked framing, hence no heartbeats: one answer behind Content-Length.
-    One failed example fails the batch (``internal``) and cancels its siblings."""
+    One failed example fails the batch (``internal``) and cancels its siblings — unless the
+    request asked for failure records, which then take the failed examples' places. What the
+    examples registered for after their delivery runs once the whole document is written."""
     body = None
     if conn.their_http_version == b"1.1":
         body = await ChunkedBody.start(conn, 200, content_type=JSON)
+    examples = request.examples
     document = ResultsDocument(len(examples), host.results_info, host.config.max_response_bytes)
     failures: list[ExampleFailed] = []
+    deliveries: list[Delivery] = []
+
+    def finished(index: int, result: Any, delivered: Sequence[Delivery]) -> None:
+        document.add(index, result)
+        deliveries.extend(delivered)
+
+    def failed_in_place(index: int, failure: ExampleFailed) -> None:
+        document.add(index, failure.record)
+
+    failed = failed_in_place if request.failures == "records" else None
 
     async def work() -> None:
         nonlocal failures
         try:
-            await run_examples(host, examples, episodes, document.add)
+            await run_examples(host, examples, episodes, finished, failed, request.row_offset)
         except* ExampleFailed as group:
             failures = leaves(group)
 
@@ -297,3 +320,5 @@ async def _answer_with_document(
             held_back = run
         await body.finish(held_back)  # the last run and the end of the body in one write
     batch.advance(BatchState.DONE if answer.error is None else BatchState.FAILED)
+    if answer.error is None:
+        await deliver(deliveries)

@@ -2,11 +2,12 @@
 
 ``200``, ``Content-Type: application/x-ndjson``, chunked. While the batch runs, an empty line is
 the heartbeat. Each example that finishes sends its own line at once, in completion order:
-``{"index": i, "result": {...}}``, or a *sidecar row* ``{"index": i, "error": {code, message}}``
-when that example failed — one example's failure never ends the stream and cancels nothing
-else. The last line is ``{"done": true, "completed": n, "failed": m}``, or
-``{"done": true, "error": {...}}`` when the batch as a whole was stopped (deadline, shutdown);
-examples without a line did not finish. A caller that stops reading stalls the next line's
+``{"index": i, "result": {...}}``, or a *sidecar row* ``{"index": i, "error": {code, message},
+"record": {...}}`` when that example failed, carrying its failure record (Gym's, or the host's
+naming the failure) — one example's failure never ends the stream and cancels nothing else.
+The last line is ``{"done": true, "completed": n, "failed": m}``, or ``{"done": true, "error":
+{...}}`` when the batch as a whole was stopped (deadline, shutdown); examples without a line did
+not finish. A caller that stops reading stalls the next line's
 write, is given up after ``send_timeout_s``, and every example still running is cancelled.
 """
 
@@ -21,8 +22,17 @@ import trio
 
 from trio_gym.errors import ErrorCode, WireError, leaves
 from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, encode_json
+from trio_gym.protocol.rollouts import SIDECAR_RECORD_FIELD
+from trio_gym.runners.base import Delivery
 
-from .batch import Batch, BatchState, ExampleFailed, describe_failure, run_examples
+from .batch import (
+    Batch,
+    BatchState,
+    ExampleFailed,
+    deliver,
+    describe_failure,
+    run_examples,
+)
 from .episodes import LiveEpisode
 from .state import Host
 from .supervision import supervise
@@ -53,8 +63,15 @@ def row_line(index: int, result: Any, max_bytes: int) -> tuple[bytes, bool]:
     return line + b"\n", True
 
 
-def sidecar_line(index: int, error: WireError) -> bytes:
-    return encode_json({"index": index, **error.envelope()}) + b"\n"
+def sidecar_line(index: int, error: WireError, record: Any = None) -> bytes:
+    """A failed (or refused) example's line: its error, and its failure record if it ran."""
+    line: dict[str, Any] = {"index": index, **error.envelope()}
+    if record is not None:
+        line[SIDECAR_RECORD_FIELD] = record
+    try:
+        return encode_json(line) + b"\n"
+    except (TypeError, ValueError, RecursionError):
+        return encode_json({"index": index, **error.envelope()}) + b"\n"  # a record not JSON
 
 
 async def answer_with_rows(
@@ -64,9 +81,11 @@ async def answer_with_rows(
     examples: Sequence[dict[str, Any]],
     admitted: Sequence[LiveEpisode | WireError],
     deadline_s: float,
+    row_offset: int,
 ) -> None:
     """Stream one line per finished example, then the ``done`` line. An example refused at
-    admission (``admission_closed``, ``stale_attempt``) is a sidecar row at once.
+    admission (``admission_closed``, ``stale_attempt``) is a sidecar row at once. What a
+    finished example registered for after its delivery runs once its line is written.
 
     Raises :class:`~trio_gym.http.ConnectionLost` if the caller left or stopped reading.
     """
@@ -75,25 +94,27 @@ async def answer_with_rows(
     limit = host.config.max_response_bytes
     # Rows go through one writer, outside the examples' cancel scope: a row finished before
     # the deadline or a shutdown is still delivered, and counted only once it is written.
-    rows_in, rows_out = trio.open_memory_channel[tuple[bytes, bool]](math.inf)
+    rows_in, rows_out = trio.open_memory_channel[tuple[bytes, bool, Sequence[Delivery]]](math.inf)
     for index, entry in enumerate(admitted):
         if isinstance(entry, WireError):
-            rows_in.send_nowait((sidecar_line(index, entry), False))
+            rows_in.send_nowait((sidecar_line(index, entry), False, ()))
 
-    def finished(index: int, result: Any) -> None:
-        rows_in.send_nowait(row_line(index, result, limit))
+    def finished(index: int, result: Any, deliveries: Sequence[Delivery]) -> None:
+        line, ok = row_line(index, result, limit)
+        rows_in.send_nowait((line, ok, deliveries if ok else ()))
 
     def failed(index: int, failure: ExampleFailed) -> None:
         error = WireError(failure.code, describe_failure(failure))
-        rows_in.send_nowait((sidecar_line(index, error), False))
+        rows_in.send_nowait((sidecar_line(index, error, failure.record), False, ()))
 
     episodes = [entry for entry in admitted if isinstance(entry, LiveEpisode)]
-    work = partial(run_examples, host, examples, episodes, finished, failed)
+    work = partial(run_examples, host, examples, episodes, finished, failed, row_offset)
 
     async def write_rows() -> None:
-        async for line, ok in rows_out:
+        async for line, ok, deliveries in rows_out:
             await body.send(line)
             counts["completed" if ok else "failed"] += 1
+            await deliver(deliveries)
 
     async def run_and_close() -> WireError | None:
         with rows_in:

@@ -18,7 +18,7 @@ from trio_gym.http import encode_json
 from trio_gym.install import InstallError, install_environment
 from trio_gym.logs import log_event
 from trio_gym.runners import Runner, load_runner
-from trio_gym.runners.base import StateParticipant, start_progress_to
+from trio_gym.runners.base import ServedRunner, StateParticipant, start_reports_to
 from trio_gym.runners.gym import GymDeployment, GymReady, GymStartFailed
 
 from .checkpoint import Checkpoints
@@ -127,6 +127,9 @@ class Host:
         self._phase_changed = trio.Event()
         self.settled = trio.Event()
         """Set once start-up ended, ready or failed."""
+        self.health_notes: list[str] = []
+        """What the runner asked ``/health`` to say while the host serves (a capability it
+        lacks here); shown as the ready answer's ``detail``."""
         self._stages = trio.CancelScope()
         """Around the start-up stages: a Gym that ends meanwhile ends them."""
         self._gym = trio.CancelScope()
@@ -214,7 +217,7 @@ class Host:
         """
         try:
             if self._runner is None:
-                with start_progress_to(self._note_progress), self._stages:
+                with start_reports_to(self), self._stages:
                     await self._run_stages(services)
         finally:
             self.settled.set()
@@ -236,9 +239,12 @@ class Host:
                 partial(load_runner, self.config, gym_head_server=head_server),
                 abandon_on_cancel=True,
             )
-            start = getattr(runner, "start", None)
-            if start is not None:
-                await start()
+            if isinstance(runner, ServedRunner):  # its tasks live as long as the host serves
+                await services.start(runner.serve)
+            else:
+                start = getattr(runner, "start", None)
+                if start is not None:
+                    await start()
             self._runner = runner
         except Exception as exc:  # the boundary: a user's package or module may fail any way
             known = isinstance(exc, InstallError | GymStartFailed)
@@ -269,9 +275,14 @@ class Host:
         self.phase = Starting(stage)
         log_event("stage_started", stage=stage)
 
-    def _note_progress(self, detail: str) -> None:
+    def progress(self, detail: str) -> None:
+        """A start stage says what it waits for (``/health`` shows it)."""
         if isinstance(self.phase, Starting):
             self.phase = Starting(self.phase.stage, detail)
+
+    def note(self, text: str) -> None:
+        """The runner says what ``/health`` should tell while the host serves."""
+        self.health_notes.append(text)
 
     async def close_runner(self) -> None:
         """Let the runner release what it holds (its optional ``aclose``), once serving ended."""
@@ -329,6 +340,8 @@ class Host:
         """The ``/health`` answer of DESIGN §3.2: 200 only when a batch would be accepted."""
         refusal = self.refusal()
         if refusal is None:
+            if self.health_notes:
+                return 200, {"status": "ready", "detail": "; ".join(self.health_notes)}
             return 200, {"status": "ready"}
         if refusal.code is ErrorCode.SHUTTING_DOWN:
             return 503, {"status": "shutting_down"}

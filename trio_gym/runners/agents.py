@@ -15,14 +15,23 @@ where Gym 0.7.0's own rollout collection sends it:
   ``responses_api_agents`` fronts that agent, as does ``agent_server`` — or to the agent itself
   when no environment server fronts it (``--agent NAME=URL`` names one outright).
 
-Records are stamped as Gym's collection stamps them: ``agent_ref``, ``task_source``,
-``skills_ref``, ``_ng_rollout_id`` and ``_ng_attempt_index`` from the row (when it has them),
-``_ng_environment_server`` and ``_ng_result_type`` (its implementation) for the environment
-server that ran it. A record carrying ``_ng_failure_class`` is Gym saying that the rollout
-failed — not a result: it is run again, up to ``rollout_attempts`` tries with
-``_ng_attempt_index`` counting them on the row and its record (Gym's collection retries and
-stamps so), unless Gym marked it ``_ng_failure_terminal``; then the example fails, naming the
-class. With the checkpoint control plane on, attempts are the trainer's: none is made here.
+Rows are numbered as Gym's collection numbers them (a task index from the row's position in the
+caller's input), and records are stamped as it stamps them: the task and rollout indices,
+``agent_ref``, ``task_source``, ``skills_ref``, ``_ng_rollout_id`` and ``_ng_attempt_index``
+from the row (when it has them), ``_ng_environment_server`` and ``_ng_result_type`` (its
+implementation) for the environment server that ran it. A record carrying
+``_ng_failure_class`` is Gym saying that the rollout failed — not a result: it is run again, up
+to ``rollout_attempts`` tries with ``_ng_attempt_index`` counting them on the row and its record
+(Gym's collection retries and stamps so), unless Gym marked it ``_ng_failure_terminal``; then
+the example fails with that failure record. A ``/run`` that fails fails its example at once,
+with the failure record Gym's collection writes for it. With the checkpoint control plane on,
+attempts are the trainer's: none is made here.
+
+When Gym's config switches capture on (the model-call capture, token-ID capture), every record
+is finished as Gym's collection finishes it, by Gym's own code (:mod:`.finalize`), and each row's
+old captures are cleared before its ``/run``: with a Gym Python (``gym_python``, or this one if
+it has ``nemo_gym``) and the capture folders on this machine; otherwise the host says so at
+start (a warning, and ``/health``'s detail) — or, for the ``gym`` runner, fails to start.
 
 Addresses come from ``--agent NAME=URL`` or from a Gym head server's
 ``GET /global_config_dict_yaml`` (a JSON string holding the YAML of the whole deployment, each
@@ -41,8 +50,13 @@ deployment that is not up yet — and again when a row names a server not yet kn
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
-from collections.abc import Awaitable, Callable, Mapping
+import logging
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from functools import partial
 from typing import Any, TypeVar
 
 import attrs
@@ -63,8 +77,9 @@ from trio_gym.http import (
     open_tcp,
 )
 from trio_gym.logs import log_event
-from trio_gym.protocol.identity import ATTEMPT_KEY
-from trio_gym.runners.base import ExampleContext
+from trio_gym.protocol.identity import ATTEMPT_KEY, rollout_id_of
+from trio_gym.protocol.rollouts import FAILURE_CLASS_KEY, FAILURE_MESSAGE_KEY
+from trio_gym.runners.base import ExampleContext, report_health_note
 
 from .deployment import (
     AGENT_KEY,
@@ -76,16 +91,26 @@ from .deployment import (
     read_deployment,
     wait_for_deployment,
 )
+from .finalize import (
+    FinalizationUnavailable,
+    FinalizeFailed,
+    RecordFinalizer,
+    Retirement,
+    capture_switches,
+    worker_starter,
+)
+from .gym import GymStartFailed
 from .records import (
     AGENT_REF_KEY,
     ENVIRONMENT_SERVER_KEY,
-    FAILURE_CLASS_KEY,
-    FAILURE_MESSAGE_KEY,
     FAILURE_TERMINAL_KEY,
     RolloutFailed,
+    RunFailed,
     episode_record,
     episode_request,
     gym_error_text,
+    numbered,
+    run_failure_record,
     stamp_record,
     taskset_of,
 )
@@ -105,6 +130,11 @@ class AgentSettings:
     max_response_bytes: int = 256 * 1024 * 1024
     idle_timeout_s: float = 1800.0
     """The longest a server may stay silent; the batch deadline is the real bound."""
+    gym_python: str = ""
+    """The Python with ``nemo_gym`` that finalizes records (default: this one, if it has it)."""
+    finalize_required: bool = False
+    """A start that cannot finalize records (when Gym's config captures) fails (runner gym)."""
+    finalize_timeout_s: float = 60.0
 
     @classmethod
     def from_config(cls, config: ServeConfig, *, head_server: str | None = None) -> AgentSettings:
@@ -120,6 +150,9 @@ class AgentSettings:
             start_timeout_s=config.gym_start_timeout_s,
             max_response_bytes=config.max_response_bytes,
             idle_timeout_s=config.rollout_deadline_s,
+            gym_python=config.gym_python,
+            finalize_required=config.runner == "gym",
+            finalize_timeout_s=config.gym_finalize_timeout_s,
         )
 
 
@@ -252,6 +285,47 @@ class AgentsRunner:
             settings.agents, settings.head_server, limits=self.limits, opener=opener
         )
         self._slots: dict[Endpoint, trio.CapacityLimiter] = {}
+        self.finalizer: RecordFinalizer | None = None
+        """Gym's finalization of each record, when Gym's config captures and it can run here."""
+        self._capturing: set[str] = set()
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start (:meth:`start`), then, when Gym's config switches capture on, keep Gym's
+        finalizer running for as long as the host serves."""
+        await self.start()
+        config = self.directory.deployment.config
+        switches = capture_switches(config)
+        if not switches:
+            task_status.started()
+            return
+        try:
+            self.finalizer = RecordFinalizer(
+                config,
+                worker_starter(self._gym_python()),
+                call_timeout_s=self.settings.finalize_timeout_s,
+            )
+            await self.finalizer.run(task_status=task_status)
+        except FinalizationUnavailable as exc:
+            self.finalizer = None
+            why = (
+                f"records are not finalized as Gym's collection finalizes them (Gym's config "
+                f"switches on {', '.join(switches)}): {exc}"
+            )
+            if self.settings.finalize_required:
+                raise GymStartFailed(why) from exc
+            log_event("records_not_finalized", level=logging.WARNING, reason=why)
+            report_health_note(why)
+            task_status.started()
+
+    def _gym_python(self) -> str:
+        """The Python to finalize records with; raises :class:`FinalizationUnavailable`."""
+        if self.settings.gym_python:
+            return self.settings.gym_python
+        if importlib.util.find_spec("nemo_gym") is not None:
+            return sys.executable
+        raise FinalizationUnavailable(
+            "no Python with nemo_gym is known here; name one with --gym-python (NMP_GYM_PYTHON)"
+        )
 
     async def start(self) -> None:
         """Learn the deployment from the head server, if there is one, waiting for it to be up
@@ -301,51 +375,133 @@ class AgentsRunner:
 
     async def run_example(self, example: Mapping[str, Any], context: ExampleContext) -> Any:
         server = await self._server_for(example)
-        episode = taskset_of(example) is not None
-        first = example.get(ATTEMPT_KEY, 0) if isinstance(example.get(ATTEMPT_KEY), int) else 0
-        row = dict(example)
+        row = numbered(example, context.position)
+        first = row.get(ATTEMPT_KEY, 0) if isinstance(row.get(ATTEMPT_KEY), int) else 0
         tries = 0
-        while True:
-            record = stamp_record(row, await self._call(server, row, episode=episode), server)
-            failure = record.get(FAILURE_CLASS_KEY) if isinstance(record, dict) else None
-            if failure is None:
-                return record
-            tries += 1
-            terminal = bool(record.get(FAILURE_TERMINAL_KEY))
-            log_event(
-                "rollout_failed",
-                batch=context.batch_id,
-                example=context.index,
-                server=server.name,
-                failure_class=failure,
-                tries=tries,
-                terminal=terminal,
-            )
-            if terminal or tries == self.settings.rollout_attempts:
-                how = "terminal" if terminal else f"after {tries} attempt(s)"
-                raise RolloutFailed(
-                    f"{server.label} reports the rollout failed: {FAILURE_CLASS_KEY}="
-                    f"{failure} ({how}): {record.get(FAILURE_MESSAGE_KEY) or 'no message'}"
+        with self._capture_key_held(row):
+            while True:
+                record, retirement = await self._attempt(server, row)
+                failure = record.get(FAILURE_CLASS_KEY) if isinstance(record, dict) else None
+                if failure is None:
+                    if retirement is not None and self.finalizer is not None:
+                        context.when_delivered(partial(self._retire, self.finalizer, retirement))
+                    return record
+                tries += 1
+                terminal = bool(record.get(FAILURE_TERMINAL_KEY))
+                log_event(
+                    "rollout_failed",
+                    batch=context.batch_id,
+                    example=context.index,
+                    server=server.name,
+                    failure_class=failure,
+                    tries=tries,
+                    terminal=terminal,
                 )
-            await trio.sleep(self.settings.retry_backoff_s * tries)
-            # The next try counts in _ng_attempt_index, on the row and so on its record, as
-            # Gym's collection stamps it: the tries' model calls stay apart in Gym's captures.
-            row = {**example, ATTEMPT_KEY: first + tries}
+                if terminal or tries == self.settings.rollout_attempts:
+                    how = "terminal" if terminal else f"after {tries} attempt(s)"
+                    raise RolloutFailed(
+                        f"{server.label} reports the rollout failed: {FAILURE_CLASS_KEY}="
+                        f"{failure} ({how}): {record.get(FAILURE_MESSAGE_KEY) or 'no message'}",
+                        record,
+                    )
+                await trio.sleep(self.settings.retry_backoff_s * tries)
+                # The next try counts in _ng_attempt_index, on the row and so on its record, as
+                # Gym's collection stamps it: the tries' model calls stay apart in Gym's captures.
+                row = {**row, ATTEMPT_KEY: first + tries}
+
+    @contextlib.contextmanager
+    def _capture_key_held(self, row: Mapping[str, Any]) -> Iterator[None]:
+        """While Gym's captures are finalized, one rollout id runs once at a time here: a second
+        would clear the first's captures and mix its own into them."""
+        if self.finalizer is None:
+            yield
+            return
+        key = rollout_id_of(row)
+        assert key is not None  # a numbered row has its indices
+        if key in self._capturing:
+            raise AgentError(
+                f"rollout {key} is already running on this host, and Gym captures its model "
+                "calls by that id: give each row its own _ng_task_index/_ng_rollout_index (or "
+                "_ng_rollout_id)"
+            )
+        self._capturing.add(key)
+        try:
+            yield
+        finally:
+            self._capturing.discard(key)
+
+    async def _attempt(
+        self, server: Server, row: Mapping[str, Any]
+    ) -> tuple[Any, Retirement | None]:
+        """One try of a row: its old captures cleared, its ``/run``, its record finished as Gym's
+        collection finishes it. A ``/run`` that fails raises :class:`RolloutFailed` with the
+        (finished) failure record Gym's collection writes for it."""
+        gym_row = self._as_gym_holds_it(row, server)
+        if self.finalizer is not None:
+            await self.finalizer.prepare(gym_row)
+        started = trio.current_time()
+        try:
+            answer = await self._call(server, row, episode=taskset_of(row) is not None)
+        except RunFailed as error:
+            failed = stamp_record(row, run_failure_record(error), server)
+            failure, _ = await self._finish(gym_row, failed, None)
+            raise RolloutFailed(str(error), failure) from error
+        latency_ms = (trio.current_time() - started) * 1000
+        return await self._finish(gym_row, stamp_record(row, answer, server), latency_ms)
+
+    async def _finish(
+        self, gym_row: Mapping[str, Any], record: Any, latency_ms: float | None
+    ) -> tuple[Any, Retirement | None]:
+        if self.finalizer is None or not isinstance(record, dict):
+            return record, None
+        finished = await self.finalizer.finish(gym_row, record, latency_ms)
+        return finished.record, finished.retirement
+
+    @staticmethod
+    def _as_gym_holds_it(row: Mapping[str, Any], server: Server) -> Mapping[str, Any]:
+        """The row as Gym's collection holds it when it finishes the record: a taskset row
+        carries the environment server it was routed to."""
+        if taskset_of(row) is None or ENVIRONMENT_SERVER_KEY in row:
+            return row
+        return {**row, ENVIRONMENT_SERVER_KEY: server.name}
+
+    @staticmethod
+    async def _retire(finalizer: RecordFinalizer, retirement: Retirement) -> None:
+        """Once the record is delivered: Gym may drop its token snapshot (a failure keeps it:
+        a snapshot kept is not a record lost)."""
+        try:
+            await finalizer.retire(retirement)
+        except FinalizeFailed as exc:
+            log_event(
+                "token_snapshot_kept",
+                level=logging.WARNING,
+                rollout=retirement.rollout_id,
+                reason=str(exc),
+            )
 
     async def _call(self, server: Server, row: Mapping[str, Any], *, episode: bool) -> Any:
-        """POST one row (as an episode request for a taskset row); its answer, decoded."""
+        """POST one row (as an episode request for a taskset row); its answer, decoded.
+        Raises :class:`RunFailed` for a ``/run`` that failed."""
         body = episode_request(row) if episode else row
         response = await self._post(server, encode_json(body))
         where = f"{server.label} at {server.endpoint.authority}"
         if not 200 <= response.status < 300:
-            raise AgentError(
-                f"{where} answered HTTP {response.status}: {gym_error_text(response.body)}"
+            raise RunFailed(
+                f"{where} answered HTTP {response.status}: {gym_error_text(response.body)}",
+                failure_type="HTTPStatusError",
+                status=response.status,
+                body=response.body,
             )
         try:
             answer = json.loads(response.body)
         except (ValueError, RecursionError) as exc:
             quoted = readable_body(response.body)
-            raise AgentError(f"{where} answered with a body that is not JSON: {quoted}") from exc
+            raise RunFailed(
+                f"{where} answered with a body that is not JSON: {quoted}",
+                failure_type=type(exc).__name__,
+                status=response.status,
+                body=response.body,
+            ) from exc
         return episode_record(answer) if episode else answer
 
     async def _post(self, server: Server, body: bytes) -> Response:
@@ -376,12 +532,16 @@ class AgentsRunner:
         try:
             return await self._attempts(post_once, server)
         except (NoResponse, BodyFailed) as exc:
-            raise AgentError(f"{server.label} at {endpoint.authority}: {exc}") from exc
+            raise RunFailed(
+                f"{server.label} at {endpoint.authority}: {exc}",
+                failure_type=type(exc).__name__,
+                status=exc.status if isinstance(exc, BodyFailed) else None,
+            ) from exc
 
     async def _attempts(self, call: Callable[[], Awaitable[T]], server: Server) -> T:
         """``call()``, tried ``connect_attempts`` times while no connection can be made (a
         server not up yet), with a growing backoff slept outside any concurrency bound; the
-        last failure is an :class:`AgentError` counting the attempts."""
+        last failure is a :class:`RunFailed` counting the attempts."""
         attempts = self.settings.connect_attempts
         for attempt in range(1, attempts):
             try:
@@ -394,4 +554,7 @@ class AgentsRunner:
         try:
             return await call()
         except ConnectFailed as exc:
-            raise AgentError(f"{server.label}: {exc} (after {attempts} attempt(s))") from exc
+            raise RunFailed(
+                f"{server.label}: {exc} (after {attempts} attempt(s))",
+                failure_type=type(exc).__name__,
+            ) from exc

@@ -15,8 +15,12 @@ is a ``400`` naming it rather than a failure minutes into the batch.
 
 An optional ``async def start(self)`` runs once in the host's ``starting_runner`` stage (reach a
 registry, warm a cache); if it raises, ``/health`` reports ``bootstrap_failed`` with the reason.
-While it waits for something, :func:`report_start_progress` says what, and ``/health`` shows it.
-An optional ``async def aclose(self)`` runs once when the host has stopped serving.
+While it waits for something, :func:`report_start_progress` says what, and ``/health`` shows it;
+something the host should say for as long as it serves (a capability it lacks here) goes to
+:func:`report_health_note`. A runner that needs tasks of its own while the host serves (a worker
+process it owns) is a :class:`ServedRunner` instead: its ``serve`` runs in the host's services
+nursery, beside the connections. An optional ``async def aclose(self)`` runs once when the host
+has stopped serving.
 ``check_example`` is called on the trio thread for small request bodies and on a worker thread
 for large ones (over 1 MiB): it must be a pure check, touching no trio or event-loop state.
 
@@ -33,6 +37,12 @@ agent) cannot be captured: checkpoints list their episodes as restarts and never
 
 A runner that keeps episode state of its own beyond the boundary state (a side-effect store)
 also implements :class:`StateParticipant`, so a checkpoint exports and restores that state too.
+
+An example that fails with the environment's own account of the failure (NeMo Gym's failure
+record) raises :class:`RecordedFailure`; the host hands that record to the caller (a sidecar
+row, or in place of the result when the caller asked for failure records). Work that may happen
+only once a result has reached the caller (retiring what Gym keeps until then) is registered
+with :meth:`ExampleContext.when_delivered`.
 """
 
 from __future__ import annotations
@@ -49,32 +59,58 @@ StepMode = Literal["wait", "replay"]
 T = TypeVar("T")
 
 
-# Where report_start_progress goes: set by the host around the start stages. A context variable,
-# so a runner's start() (and whatever it calls) can report without being handed the host.
-_start_progress: ContextVar[Callable[[str], None] | None] = ContextVar(
-    "trio_gym_start_progress", default=None
-)
+class StartReports(Protocol):
+    """Where a starting runner's reports go (the host)."""
+
+    def progress(self, detail: str) -> None: ...
+    def note(self, text: str) -> None: ...
+
+
+# Where the reports go: set by the host around the start stages. A context variable, so a
+# runner's start() (and whatever it calls) can report without being handed the host.
+_start_reports: ContextVar[StartReports | None] = ContextVar("trio_gym_start_reports", default=None)
 
 
 def report_start_progress(detail: str) -> None:
     """Say what a starting runner is waiting for (``/health`` shows it beside the stage)."""
-    report = _start_progress.get()
-    if report is not None:
-        report(detail)
+    reports = _start_reports.get()
+    if reports is not None:
+        reports.progress(detail)
+
+
+def report_health_note(text: str) -> None:
+    """Say something ``/health`` should tell for as long as the host serves (its ``detail``)."""
+    reports = _start_reports.get()
+    if reports is not None:
+        reports.note(text)
 
 
 @contextmanager
-def start_progress_to(report: Callable[[str], None]) -> Iterator[None]:
-    """Within the block, :func:`report_start_progress` calls ``report``."""
-    token = _start_progress.set(report)
+def start_reports_to(reports: StartReports) -> Iterator[None]:
+    """Within the block, :func:`report_start_progress` and :func:`report_health_note` go to
+    ``reports``."""
+    token = _start_reports.set(reports)
     try:
         yield
     finally:
-        _start_progress.reset(token)
+        _start_reports.reset(token)
 
 
 class StepInterrupted(Exception):
     """A ``replay`` step was cut short by a checkpoint; resume from the last boundary."""
+
+
+class RecordedFailure(Exception):
+    """The example failed, and ``record`` is the environment's own account of how (NeMo Gym's
+    failure record, with its ``_ng_failure_class``): what the caller gets for it."""
+
+    def __init__(self, message: str, record: Mapping[str, Any]) -> None:
+        super().__init__(message)
+        self.record = record
+
+
+Delivery = Callable[[], Awaitable[None]]
+"""Work for after a result reached the caller. It must not raise: a failure is its own to log."""
 
 
 class EpisodeHooks(Protocol):
@@ -97,11 +133,21 @@ class ExampleContext:
     """Unique within this host process; also in every log line about the batch."""
     index: int
     """The example's position in the batch (results come back in this order)."""
+    position: int = 0
+    """Its position in the caller's whole input: the request's ``row_offset`` plus ``index``."""
     capture_key: str = ""
     """The episode's identity across checkpoints: its rollout id, ``-a<N>`` for attempt N > 0."""
     restored: Mapping[str, Any] | None = None
     """For a restored episode, the boundary state it continues from; else ``None``."""
     hooks: EpisodeHooks | None = None
+    deliveries: list[Delivery] = attrs.field(factory=list)
+    """What :meth:`when_delivered` registered, for the host to run."""
+
+    def when_delivered(self, delivery: Delivery) -> None:
+        """Run ``delivery`` once the result has been handed to the caller (the last byte of the
+        answer that carries it written); never, if it is not (the caller left, the batch
+        failed)."""
+        self.deliveries.append(delivery)
 
     @property
     def example_key(self) -> str:
@@ -135,6 +181,16 @@ class Runner(Protocol):
 
     async def run_example(self, example: Mapping[str, Any], context: ExampleContext) -> Any:
         """Run one example to its result; a checkpoint, cancellable at any await."""
+
+
+@runtime_checkable
+class ServedRunner(Runner, Protocol):
+    """A runner with tasks of its own for as long as the host serves (a worker process)."""
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start (what ``start`` would do), report it through ``task_status``, then keep what
+        it runs until cancelled — the host stopping, after its last connection. Raising before
+        it reported is a failed start; after, it must not raise."""
 
 
 @runtime_checkable

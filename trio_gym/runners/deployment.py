@@ -83,6 +83,8 @@ class Deployment:
     fronts: Mapping[str, tuple[str, ...]]
     """Agent name -> the environment servers in front of it."""
     taskset_routes: Mapping[str, str]
+    config: Mapping[str, Any] = attrs.field(factory=dict)
+    """The merged config itself (Gym's switches for capture are in it)."""
 
     @classmethod
     def parse(cls, config: Mapping[str, Any]) -> Deployment:
@@ -113,6 +115,7 @@ class Deployment:
             endpoints,
             {agent: tuple(names) for agent, names in fronts.items()},
             taskset_routes,
+            config,
         )
 
     def agents(self) -> list[str]:

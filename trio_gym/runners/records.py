@@ -3,10 +3,18 @@
 - A materialized taskset row (``task_id.taskset`` plus ``task_input``) is sent as an episode
   request ``{episode_id: {rollout_id, attempt}, task: {task_id, task_input}}``; the answer
   ``{episode_id, task_id, result | failure}`` becomes the record.
-- Records are stamped with ``agent_ref``, ``task_source``, ``skills_ref``, ``_ng_rollout_id`` and
-  ``_ng_attempt_index`` from the row that ran (when it has them), and ``_ng_environment_server``
-  and ``_ng_result_type`` (its implementation) for the environment server that ran it.
-- A record carrying ``_ng_failure_class`` is Gym saying the rollout failed: not a result.
+- Rows are numbered as Gym's collection numbers them before dispatch (:func:`numbered`): a row
+  without ``_ng_task_index`` gets its position, without ``_ng_rollout_index`` 0, so its model
+  calls are captured under a key.
+- Records are stamped with ``agent_ref``, ``task_source``, ``skills_ref``, the task and rollout
+  indices, ``_ng_rollout_id`` and ``_ng_attempt_index`` from the row that ran (when it has
+  them), and ``_ng_environment_server`` and ``_ng_result_type`` (its implementation) for the
+  environment server that ran it.
+- A record carrying ``_ng_failure_class`` is Gym saying the rollout failed: not a result. A
+  ``/run`` that fails (an HTTP error, a connection lost after the request went out, an answer
+  that is not JSON) becomes the failure record Gym's collection writes for it
+  (:func:`run_failure_record`): ``agent_run_error`` when a server answered with a status (it ran
+  the rollout, and it broke), ``agent_request_failed`` when a gateway answered or nothing did.
 - Gym's servers answer a failure with a JSON string, each hop wrapping its callee's body as a
   bytes literal; :func:`gym_error_text` reads that chain once.
 """
@@ -27,6 +35,14 @@ from trio_gym.protocol.identity import (
     attempt_of,
     rollout_id_of,
 )
+from trio_gym.protocol.rollouts import (
+    FAILURE_BODY_KEY,
+    FAILURE_CLASS_KEY,
+    FAILURE_MESSAGE_KEY,
+    FAILURE_STATUS_KEY,
+    FAILURE_TYPE_KEY,
+)
+from trio_gym.runners.base import RecordedFailure
 
 from .deployment import ENVIRONMENT_KEY, AgentError, Server
 
@@ -34,12 +50,12 @@ from .deployment import ENVIRONMENT_KEY, AgentError, Server
 AGENT_REF_KEY: Final = "agent_ref"
 ENVIRONMENT_SERVER_KEY: Final = "_ng_environment_server"
 RESULT_TYPE_KEY: Final = "_ng_result_type"
-FAILURE_CLASS_KEY: Final = "_ng_failure_class"
 FAILURE_TERMINAL_KEY: Final = "_ng_failure_terminal"
-FAILURE_MESSAGE_KEY: Final = "_ng_failure_message"
 TASK_ID_KEY: Final = "_ng_task_id"
 # Copied from the row onto its record, as Gym's collection copies them.
 ROW_KEYS_ON_RECORDS: Final = (
+    TASK_KEY,
+    ROLLOUT_KEY,
     AGENT_REF_KEY,
     "task_source",
     "skills_ref",
@@ -47,6 +63,14 @@ ROW_KEYS_ON_RECORDS: Final = (
     ROLLOUT_ID_KEY,
 )
 ENVIRONMENT_SERVER_FAILED: Final = "environment_server_failed"
+# The classes Gym's collection gives a /run that failed: a server answered with a status (the
+# rollout ran and broke), or a gateway answered or nothing did (nothing is known of it).
+AGENT_RUN_ERROR: Final = "agent_run_error"
+AGENT_REQUEST_FAILED: Final = "agent_request_failed"
+# Statuses something in front of a Gym server answers with (Gym's servers answer 500 themselves).
+GATEWAY_STATUSES: Final = frozenset({429, 502, 503, 504})
+# How much of a failed /run's body its failure record keeps, as Gym's collection keeps it.
+FAILURE_BODY_CHARS: Final = 2000
 
 # Each Gym hop that fails wraps its callee's error body as a bytes literal after this phrase.
 _INNER_ERROR: Final = re.compile(r"(?s)(.*?calling an inner server: )(b'.*'|b\".*\")")
@@ -54,8 +78,51 @@ _INNER_ERROR: Final = re.compile(r"(?s)(.*?calling an inner server: )(b'.*'|b\".
 _UNWRAP_LIMIT: Final = 64 * 1024
 
 
-class RolloutFailed(AgentError):
-    """Gym answered that the rollout failed (``_ng_failure_class``): no result for this row."""
+class RunFailed(AgentError):
+    """A row's ``/run`` failed: ``status`` is what a server answered (``None``: nothing did),
+    ``body`` what it said, ``failure_type`` what went wrong, named for the failure record."""
+
+    def __init__(
+        self, message: str, *, failure_type: str, status: int | None = None, body: bytes = b""
+    ) -> None:
+        super().__init__(message)
+        self.failure_type = failure_type
+        self.status = status
+        self.body = body
+
+
+class RolloutFailed(AgentError, RecordedFailure):
+    """The rollout failed: Gym answered so (``_ng_failure_class``), or its ``/run`` failed.
+    ``record`` is the failure record; there is no result for this row."""
+
+
+def run_failure_record(error: RunFailed) -> dict[str, Any]:
+    """The failure record Gym's collection writes for a ``/run`` that failed (before the row's
+    identity and routing are stamped on): its class by the status, the failure's type and
+    message (trio_gym's: they name the server), the status and the start of the body."""
+    ran = error.status is not None and error.status not in GATEWAY_STATUSES
+    body = None
+    if error.body:
+        text = error.body[: FAILURE_BODY_CHARS * 4].decode("utf-8", "replace")
+        body = text[:FAILURE_BODY_CHARS] + ("…" if len(error.body) > FAILURE_BODY_CHARS else "")
+    return {
+        FAILURE_CLASS_KEY: AGENT_RUN_ERROR if ran else AGENT_REQUEST_FAILED,
+        FAILURE_TYPE_KEY: error.failure_type,
+        FAILURE_MESSAGE_KEY: str(error),
+        FAILURE_STATUS_KEY: error.status,
+        FAILURE_BODY_KEY: body,
+    }
+
+
+def numbered(row: Mapping[str, Any], position: int) -> dict[str, Any]:
+    """The row as Gym's collection dispatches it: a task index (its ``position``) and a
+    rollout index (0) where it has none, so captures are keyed by them."""
+    numbered = dict(row)
+    if numbered.get(TASK_KEY) is None:
+        numbered[TASK_KEY] = position
+    if numbered.get(ROLLOUT_KEY) is None:
+        numbered[ROLLOUT_KEY] = 0
+    return numbered
 
 
 def gym_error_text(body: bytes, limit: int = 1000) -> str:

@@ -1,4 +1,11 @@
-"""``trio-gym run``: a JSON-lines file of examples in, a JSON-lines file of results out."""
+"""``trio-gym run``: a JSON-lines file of examples in, a JSON-lines file of results out.
+
+As NeMo Gym's collection writes its output: every result to ``--out`` in input order, and every
+failure record — the host's for an example that failed (Gym's, when Gym ran it), or one made
+here for each example of a chunk the host never answered (:data:`REQUEST_FAILED`, with the
+chunk's error) — to ``<stem>_failures.jsonl`` beside it. One failure never costs another's
+result: the hosts are asked for failure records in place (``failures="records"``).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +19,23 @@ from typing import Any, TextIO
 
 import trio
 
-from trio_gym.trainer.client import Progress
+from trio_gym.protocol.identity import IDENTITY_KEYS, ROLLOUT_KEY, TASK_KEY
+from trio_gym.protocol.rollouts import (
+    FAILURE_CLASS_KEY,
+    FAILURE_MESSAGE_KEY,
+    FAILURE_STATUS_KEY,
+    FAILURE_TYPE_KEY,
+    REQUEST_FAILED,
+    is_failure_record,
+)
+from trio_gym.trainer.client import Progress, batch_failure
 from trio_gym.trainer.errors import RolloutError
 from trio_gym.trainer.hosts import LaunchFailed
+
+# What a failure record made here says beside Gym's keys: where its chunk's failure came from.
+FAILURE_ORIGIN_KEY = "_trio_gym_failure_origin"
+# Copied from an example onto the failure record made for it, as Gym's carry them.
+ROUTING_KEYS = ("agent_ref", "_ng_environment_server")
 
 
 class ExamplesFileError(ValueError):
@@ -82,6 +103,35 @@ class FileProgress:
         self._show(f"chunk {chunk + 1}/{len(self.sizes)} FAILED ({error.origin.value})")
 
 
+def request_failure_record(
+    example: Mapping[str, Any], position: int, error: RolloutError
+) -> dict[str, Any]:
+    """The failure record of an example whose chunk the host never answered: the chunk's error,
+    the example's identity (numbered by its position when it has none, as a Gym host numbers
+    it) and routing."""
+    record: dict[str, Any] = {
+        FAILURE_CLASS_KEY: REQUEST_FAILED,
+        FAILURE_TYPE_KEY: type(error).__name__,
+        FAILURE_MESSAGE_KEY: error.message,
+        FAILURE_STATUS_KEY: error.status,
+        FAILURE_ORIGIN_KEY: error.origin.value,
+        TASK_KEY: position,
+        ROLLOUT_KEY: 0,
+    }
+    for key in (*IDENTITY_KEYS, *ROUTING_KEYS):
+        if example.get(key) is not None:
+            record[key] = example[key]
+    return record
+
+
+def failures_path(out: Path | None, examples_path: Path) -> Path:
+    """Where failure records go: ``<stem>_failures.jsonl`` beside ``--out`` (Gym's name for
+    its sidecar), or named after the examples file in the working directory."""
+    if out is None:
+        return Path.cwd() / f"{examples_path.stem}_failures.jsonl"
+    return out.with_name(f"{out.stem}_failures.jsonl")
+
+
 def write_results(results: Sequence[Any], out: Path | None) -> None:
     """JSON lines, in input order; a file is written whole or not at all (temp + rename)."""
     lines = "".join(json.dumps(result) + "\n" for result in results)
@@ -102,13 +152,16 @@ def write_results(results: Sequence[Any], out: Path | None) -> None:
 
 
 BatchRunner = Callable[[Sequence[Mapping[str, Any]], Progress], Awaitable[list[Any]]]
-"""Runs one batch on the hosts the command was given, telling ``progress`` as it goes."""
+"""Runs one batch on the hosts the command was given, telling ``progress`` as it goes; for each
+example, in input order, its result, its failure record, or its chunk's :class:`RolloutError`."""
 
 
 async def run_file(
     examples_path: Path, out: Path | None, chunk_size: int, run_batch: BatchRunner
 ) -> int:
-    """The ``trio-gym run`` command: 0 on success, 1 with the attributed cause, 2 bad input."""
+    """The ``trio-gym run`` command: 0 when every example has its result; 1 when any failed
+    (the results written all the same, the failure records beside them, the cause said) or the
+    hosts could not be launched; 2 for bad input."""
     try:
         examples = read_examples(examples_path)
     except ExamplesFileError as exc:
@@ -117,14 +170,37 @@ async def run_file(
     sizes = [len(examples[i : i + chunk_size]) for i in range(0, len(examples), chunk_size)]
     progress = FileProgress(len(examples), sizes, sys.stderr)
     try:
-        results = await run_batch(examples, progress)
-    except RolloutError as exc:
-        print(f"trio-gym run: failed ({exc.origin.value}): {exc.message}", file=sys.stderr)
-        return 1
+        outcomes = await run_batch(examples, progress)
     except LaunchFailed as exc:
         print(f"trio-gym run: could not launch the hosts: {exc}", file=sys.stderr)
         return 1
+    results: list[Any] = []
+    failures: list[Any] = []
+    chunk_errors: list[RolloutError] = []
+    for position, (example, outcome) in enumerate(zip(examples, outcomes, strict=True)):
+        if isinstance(outcome, RolloutError):
+            failures.append(request_failure_record(example, position, outcome))
+            if not any(outcome is seen for seen in chunk_errors):
+                chunk_errors.append(outcome)
+        elif is_failure_record(outcome):
+            failures.append(outcome)
+        else:
+            results.append(outcome)
     write_results(results, out)
+    sidecar = failures_path(out, examples_path)
     elapsed = trio.current_time() - progress.started
-    print(f"trio-gym run: {len(results)} results in {elapsed:.1f} s", file=sys.stderr)
-    return 0
+    where = f" in {out}" if out is not None else ""
+    if not failures:
+        sidecar.unlink(missing_ok=True)  # one of an earlier run would be read as this one's
+        print(f"trio-gym run: {len(results)} results{where} in {elapsed:.1f} s", file=sys.stderr)
+        return 0
+    write_results(failures, sidecar)
+    if chunk_errors:
+        cause = batch_failure(chunk_errors, len(sizes))
+        print(f"trio-gym run: failed ({cause.origin.value}): {cause.message}", file=sys.stderr)
+    print(
+        f"trio-gym run: {len(failures)} of {len(examples)} examples failed; their failure "
+        f"records are in {sidecar}; {len(results)} results{where} in {elapsed:.1f} s",
+        file=sys.stderr,
+    )
+    return 1

@@ -23,6 +23,13 @@ the batch is done, so a missing head may hide a batch that ran.
 
 A chunk whose body had started is never re-sent: the host was already running it, and a
 second copy would run every example twice. Bugs in this process propagate as themselves.
+
+With ``ClientSettings(failures="records")`` a failed example does not fail its chunk: the host
+answers its failure record in its place (an object with ``_ng_failure_class``, as NeMo Gym's
+collection writes it; :func:`~trio_gym.protocol.rollouts.is_failure_record` tells them apart),
+and :meth:`RolloutClient.outcomes` gives each example its result, its failure record, or the
+:class:`RolloutError` of a chunk that failed as a whole — so no result is lost to another's
+failure.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from trio_gym.http import (
     open_tcp,
 )
 from trio_gym.logs import log_event
+from trio_gym.protocol.rollouts import FAILURES_FIELD, ROW_OFFSET_FIELD, FailureMode
 from trio_gym.trainer.answers import decode_response
 from trio_gym.trainer.deadlines import DeadlineRegistry, RequestDeadline
 from trio_gym.trainer.errors import Origin, RolloutError
@@ -97,6 +105,8 @@ class ClientSettings:
     """The longest gap between bytes of a response; heartbeats (15 s) keep a healthy one busy."""
     http_version: Literal["1.1", "1.0"] = "1.1"
     """``1.0`` asks for the host's buffered answer (no heartbeats), for 1.0-only proxies."""
+    failures: FailureMode = "batch"
+    """``records``: a failed example's failure record comes back in its place (see above)."""
 
     def __attrs_post_init__(self) -> None:
         for name in ("chunk_size", "max_in_flight", "max_attempts"):
@@ -140,6 +150,36 @@ class RolloutClient:
         (the message counts the failed chunks and carries the first failure's cause). Any other
         exception is a bug in this process and propagates as itself.
         """
+        answers = await self._run_chunks(examples)
+        results: list[Any] = []
+        failures: list[RolloutError] = []
+        for answer in answers:
+            if isinstance(answer, RolloutError):
+                failures.append(answer)
+            else:
+                results.extend(answer)
+        if failures:
+            raise batch_failure(failures, len(answers))
+        return results
+
+    async def outcomes(self, examples: Sequence[Mapping[str, Any]]) -> list[Any]:
+        """Run ``examples``; for each, in input order, its result (a failure record, with
+        ``failures="records"``) or the :class:`RolloutError` its chunk failed with."""
+        answers = await self._run_chunks(examples)
+        size = self.settings.chunk_size
+        return [
+            outcome
+            for index, answer in enumerate(answers)
+            for outcome in (
+                answer
+                if isinstance(answer, list)
+                else [answer] * len(examples[index * size : (index + 1) * size])
+            )
+        ]
+
+    async def _run_chunks(
+        self, examples: Sequence[Mapping[str, Any]]
+    ) -> list[list[Any] | RolloutError]:
         if not examples:
             raise ValueError("an empty batch has nothing to run; pass at least one example")
         size = self.settings.chunk_size
@@ -154,16 +194,7 @@ class RolloutClient:
         except ExceptionGroup as group:
             # A bug in one chunk task cancels the rest; surface it as itself, not wrapped.
             raise_unwrapped(group)
-        results: list[Any] = []
-        failures: list[RolloutError] = []
-        for answer in answers:
-            if isinstance(answer, RolloutError):
-                failures.append(answer)
-            else:
-                results.extend(answer)
-        if failures:
-            raise batch_failure(failures, len(chunks))
-        return results
+        return answers
 
     async def _run_chunk(
         self,
@@ -183,7 +214,9 @@ class RolloutClient:
                 self.progress.chunk_started(index, attempt, len(chunk))
                 try:
                     results = await self.post(
-                        chunk, on_heartbeat=lambda: self.progress.heartbeat(index)
+                        chunk,
+                        row_offset=index * self.settings.chunk_size,
+                        on_heartbeat=lambda: self.progress.heartbeat(index),
                     )
                 except RolloutError as error:
                     failure = error
@@ -209,13 +242,16 @@ class RolloutClient:
         self,
         examples: Sequence[Mapping[str, Any]],
         *,
+        row_offset: int = 0,
         on_heartbeat: Callable[[], None] | None = None,
     ) -> list[Any]:
         """One ``POST /rollouts/run`` for ``examples``, without retries; the results in order.
+        ``row_offset`` is the position of the first in the caller's whole input (a Gym host
+        numbers rows from it).
 
         Raises :class:`RolloutError` classified as in the module docstring.
         """
-        payload = self.encode_request(examples)
+        payload = self.encode_request(examples, row_offset=row_offset)
         heard = _Heard(on_heartbeat)
         started = trio.current_time()
         with RequestDeadline(self.deadlines, self.settings.request_deadline_s).waiting():
@@ -272,11 +308,17 @@ class RolloutClient:
         """
         return RowStream(self, examples)
 
-    def encode_request(self, examples: Sequence[Mapping[str, Any]]) -> bytes:
+    def encode_request(
+        self, examples: Sequence[Mapping[str, Any]], *, row_offset: int = 0
+    ) -> bytes:
         """The request body for ``examples``; a :class:`RolloutError` (client) if over the limit."""
         document: dict[str, Any] = {"examples": list(examples)}
         if self.settings.host_deadline_s is not None:
             document["deadline_s"] = self.settings.host_deadline_s
+        if self.settings.failures != "batch":
+            document[FAILURES_FIELD] = self.settings.failures
+        if row_offset:
+            document[ROW_OFFSET_FIELD] = row_offset
         payload = encode_json(document)
         if len(payload) > self.settings.max_request_bytes:
             raise RolloutError(

@@ -157,7 +157,8 @@ class HostPool:
 
     ``launcher`` (a provider) lets the pool ask whether a host's process is alive and replace
     an ejected host. ``client_settings`` are each host's client's: ``chunk_size``,
-    ``request_deadline_s``, ``idle_timeout_s``, ``host_deadline_s`` and the size limits apply;
+    ``request_deadline_s``, ``idle_timeout_s``, ``host_deadline_s``, ``failures`` and the size
+    limits apply;
     the pool, not the client, decides what is sent again (``max_attempts`` and ``max_in_flight``
     are not used).
     """
@@ -345,7 +346,9 @@ class HostPool:
                 batch.in_flight.add(request)
                 try:
                     results = await member.client.post(
-                        chunk, on_heartbeat=partial(self.progress.heartbeat, index)
+                        chunk,
+                        row_offset=index * batch.size,
+                        on_heartbeat=partial(self.progress.heartbeat, index),
                     )
                 except RolloutError as error:
                     self._failed(member, batch, index, error, trio.current_time() - sent)

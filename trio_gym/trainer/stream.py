@@ -1,7 +1,8 @@
 """Reading a host's per-row NDJSON answer as it arrives: ``async for row in client.stream(...)``.
 
 Each :class:`Row` is one finished example, in completion order: a result, or a sidecar error
-for that example alone. The stream ends at the host's ``done`` line (:attr:`RowStream.summary`);
+for that example alone (with its failure record, as NeMo Gym's collection writes it, when it
+ran). The stream ends at the host's ``done`` line (:attr:`RowStream.summary`);
 a batch-level failure there (deadline, shutdown) is raised as a ``sandbox``
 :class:`RolloutError` after the rows that did arrive. A stream that ends *without* its done line
 was cut: a ``proxy`` error naming how many examples never got a row, and not retryable (the host
@@ -23,6 +24,7 @@ import attrs
 import h11
 
 from trio_gym.http import BodyFailed, ClientExchange, NoResponse
+from trio_gym.protocol.rollouts import SIDECAR_RECORD_FIELD
 from trio_gym.trainer.answers import decode_response
 from trio_gym.trainer.deadlines import RequestDeadline
 from trio_gym.trainer.errors import Origin, RolloutError
@@ -41,11 +43,13 @@ class RowError:
 
 @attrs.frozen
 class Row:
-    """One finished example: ``result``, or ``error`` when that example failed."""
+    """One finished example: ``result``, or ``error`` when that example failed — then
+    ``record`` is its failure record (``None`` for an example refused before it ran)."""
 
     index: int
     result: Any = None
     error: RowError | None = None
+    record: dict[str, Any] | None = None
 
     @property
     def ok(self) -> bool:
@@ -238,7 +242,12 @@ class RowStream:
         self.seen.add(index)
         error = document.get("error")
         if isinstance(error, dict):
-            return Row(index, error=RowError(str(error.get("code")), str(error.get("message"))))
+            record = document.get(SIDECAR_RECORD_FIELD)
+            return Row(
+                index,
+                error=RowError(str(error.get("code")), str(error.get("message"))),
+                record=record if isinstance(record, dict) else None,
+            )
         if "result" not in document:
             raise self._contract(f"a row with neither result nor error: {line[:200]!r}")
         return Row(index, result=document["result"])

@@ -1,0 +1,42 @@
+"""What ``POST /rollouts/run`` carries beyond DESIGN §3.3's examples and deadline, and how a
+failed example comes back: as a *failure record*, the shape NeMo Gym's collection writes to its
+``<stem>_failures.jsonl``.
+
+- ``"failures": "records"`` in the request: a failed example's failure record takes its place in
+  the document's ``results`` (``"batch"``, the default, keeps the upstream host's behaviour: one
+  failed example fails the batch ``internal``). A row stream's sidecar row always carries the
+  record beside its error, under ``"record"``.
+- ``"row_offset": N``: the position of the request's first example in the caller's whole input.
+  A runner that numbers rows as Gym's collection does (a task index from the row's position)
+  numbers from there, so the chunks of one input never share a number.
+
+A failure record is an object with ``_ng_failure_class``. Gym's classes come from Gym (its
+failure record, or the class its collection gives a failed ``/run``); the host adds
+:data:`RUNNER_ERROR` (a runner raised), :data:`STALE_ATTEMPT` (the control plane retired the
+attempt), and the trainer :data:`REQUEST_FAILED` (a chunk the host never answered).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final, Literal
+
+FAILURES_FIELD: Final = "failures"
+FailureMode = Literal["batch", "records"]
+ROW_OFFSET_FIELD: Final = "row_offset"
+SIDECAR_RECORD_FIELD: Final = "record"
+
+FAILURE_CLASS_KEY: Final = "_ng_failure_class"
+FAILURE_TYPE_KEY: Final = "_ng_failure_type"
+FAILURE_MESSAGE_KEY: Final = "_ng_failure_message"
+FAILURE_STATUS_KEY: Final = "_ng_failure_http_status"
+FAILURE_BODY_KEY: Final = "_ng_failure_response_body"
+
+RUNNER_ERROR: Final = "runner_error"
+STALE_ATTEMPT: Final = "stale_attempt"
+REQUEST_FAILED: Final = "host_request_failed"
+
+
+def is_failure_record(result: Any) -> bool:
+    """Whether a result is a failure record (it says how its example failed), not a result."""
+    return isinstance(result, Mapping) and result.get(FAILURE_CLASS_KEY) is not None
