@@ -153,8 +153,9 @@ def prebuilt_venvs(root: Path, python: str, *, leave_out: tuple[str, ...] = ()) 
     return root
 
 
-def gym_global_config(model_url: str, venvs: Path) -> dict[str, Any]:
-    """What the operator hands the host as NMP_GYM_GLOBAL_CONFIG: the model, built venvs."""
+def gym_global_config(model_url: str, venvs: Path, captures: Path | None = None) -> dict[str, Any]:
+    """What the operator hands the host as NMP_GYM_GLOBAL_CONFIG: the model, built venvs, and
+    with ``captures`` Gym's model-call and token-ID capture switched on (:func:`capture`)."""
     return {
         "policy_base_url": model_url,
         "policy_api_key": "stub-key",
@@ -163,7 +164,87 @@ def gym_global_config(model_url: str, venvs: Path) -> dict[str, Any]:
         "skip_venv_if_present": True,
         "uv_venv_dir": str(venvs),
         "environment_server_routes": {"example_single_tool_call": "weather_turn_env"},
+        **({} if captures is None else capture(captures)),
     }
+
+
+def capture(captures: Path) -> dict[str, Any]:
+    """Gym's switches for model-call capture and token-ID capture of every agent, into
+    ``captures/model-calls`` and ``captures/tokens``."""
+    return {
+        "observability_enabled": True,
+        "model_call_capture_dir": str(captures / "model-calls"),
+        "token_id_capture": {"enabled": True, "all_agents": True, "dir": str(captures / "tokens")},
+    }
+
+
+def gyms_own_collection(
+    python: str, head: str, rows: list[dict[str, Any]], out: Path, captures: Path
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows through Gym's own ``ng_collect_rollouts`` against the deployment whose head
+    server is at ``head`` (host:port), with the same capture switches and failures routed to
+    its sidecar: its records and its failure records, by row order."""
+    rows_file = out.with_suffix(".rows.jsonl")
+    rows_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    switches = capture(captures)
+    host, port = head.rsplit(":", 1)
+    argv = [
+        str(Path(python).parent / "ng_collect_rollouts"),
+        f"+head_server.host={host}",
+        f"+head_server.port={port}",
+        f"+input_jsonl_fpath={rows_file}",
+        f"+output_jsonl_fpath={out}",
+        "+disable_aggregation=true",
+        "+disable_health_check=true",
+        "+route_failures_to_sidecar=true",
+        "+observability_enabled=true",
+        f"+model_call_capture_dir={switches['model_call_capture_dir']}",
+        "+token_id_capture.enabled=true",
+        "+token_id_capture.all_agents=true",
+        f"+token_id_capture.dir={switches['token_id_capture']['dir']}",
+    ]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NMP_") and k != "PYTHONPATH"}
+    env["PATH"] = f"{Path(python).parent}{os.pathsep}{env.get('PATH', os.defpath)}"
+    done = subprocess.run(
+        argv, env=env, cwd=out.parent, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return read_jsonl(out), read_jsonl(out.with_name(f"{out.stem}_failures.jsonl"))
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# What differs between two collections of the same rows: when things happened, and the ids the
+# stub model and Gym mint per call. Everything else must be equal.
+VOLATILE_KEYS: Final = frozenset(
+    {
+        "started_at",
+        "completed_at",
+        "timestamp",
+        "latency_total_ms",
+        "latency_ttft_ms",
+        "duration_ms",
+        "total_latency_ms",
+        "model_call_id",
+        "response_id",
+        "id",
+        "call_id",
+        "tool_call_id",
+    }
+)
+
+
+def comparable(value: Any) -> Any:
+    """``value`` with every :data:`VOLATILE_KEYS` value, at any depth, replaced by ``"…"``."""
+    if isinstance(value, dict):
+        return {k: "…" if k in VOLATILE_KEYS else comparable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [comparable(item) for item in value]
+    return value
 
 
 def row(agent: str, text: str, task: int, **extra: Any) -> dict[str, Any]:

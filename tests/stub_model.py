@@ -6,6 +6,7 @@ message of the request:
 
 - contains ``[fail]``: HTTP 500 (the model rejects the call; Gym's agent fails);
 - contains ``[hang]``: no answer until the caller hangs up (counted in ``disconnects``);
+- contains ``[slow S]``: each call is answered as below, ``S`` seconds late;
 - contains ``[no-tool]``: a plain message, so the ``get_weather`` verifier rewards 0;
 - otherwise: a ``get_weather`` call first, then, once the tool's output is in the input, a plain
   message — the verifier rewards 1.
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -163,6 +165,9 @@ class StubModel(LoopbackServer):
             elif "[fail]" in text:
                 await respond(stream, 500, b'{"error": {"message": "the stub model refuses"}}')
             else:
+                slow = re.search(r"\[slow ([0-9.]+)\]", text)
+                if slow:
+                    await trio.sleep(float(slow.group(1)))
                 if "[no-tool]" in text or _has_tool_output(request):
                     item = _message("Sunny.")
                 else:

@@ -7,7 +7,9 @@ model is ``tests/stub_model.py``. Needs the environment ``scripts/gym_env.sh`` b
 3.13 and about 1.5 GB); without it every test here is skipped, saying so. ``.ci/run`` builds it.
 
 Real clock throughout: these are other processes. One deployment is shared by the tests that
-leave it standing; the tests that kill something start their own.
+leave it standing — with Gym's model-call and token-ID capture switched on, so its records are
+finished by Gym's own code and compared with Gym's own collection's — and the tests that kill
+something start their own.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +33,19 @@ import attrs
 import pytest
 import trio
 
+from tests.fake_gym import FakeHeadServer, agent_instance
 from tests.helpers import read_reply, request_bytes, tcp_exchange
 from tests.real_gym import (
     REPO,
     Launched,
+    comparable,
     environment_of,
     gym_global_config,
     gym_site,
+    gyms_own_collection,
     launched_host,
     prebuilt_venvs,
+    read_jsonl,
     real_gym_python,
     row,
     tagged_processes,
@@ -80,6 +87,8 @@ class Deployment:
     launched: Launched
     port: int
     tag: str
+    head: str
+    """Where Gym's head server is (host:port)."""
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +127,8 @@ def wait_until_up(launched: Launched) -> Deployment:
                 url = f"http://127.0.0.1:{listening['port']}/health"
                 with urllib.request.urlopen(url, timeout=10) as reply:
                     answer = json.load(reply)
-                    return Deployment(launched, listening["port"], starting["deployment"])
+                    port, tag = listening["port"], starting["deployment"]
+                    return Deployment(launched, port, tag, starting["head_server"])
             except urllib.error.HTTPError as exc:
                 answer = json.load(exc)
                 if answer["status"] == "failed":
@@ -128,22 +138,33 @@ def wait_until_up(launched: Launched) -> Deployment:
 
 
 @contextmanager
-def deployment(tmp_path: Path, gym: RealGym, **host_env: str) -> Iterator[Launched]:
-    """A host of its own, launched as a sandbox launches it (not yet waited for)."""
+def deployment(
+    tmp_path: Path, gym: RealGym, captures: Path | None = None, **host_env: str
+) -> Iterator[Launched]:
+    """A host of its own, launched as a sandbox launches it (not yet waited for); with
+    ``captures``, Gym's config switches its capture on into that folder."""
     package = weather_package(tmp_path / "environment", gym.site)
     leave_out = (
         tuple(host_env.pop("LEAVE_OUT_VENV", "").split(",")) if "LEAVE_OUT_VENV" in host_env else ()
     )
     venvs = prebuilt_venvs(tmp_path / "venvs", gym.python, leave_out=leave_out)
-    config = gym_global_config(gym.stub.url, venvs)
+    config = gym_global_config(gym.stub.url, venvs, captures)
     with launched_host(tmp_path, gym.python, package, config, **host_env) as launched:
         yield launched
 
 
 @pytest.fixture(scope="module")
-def shared(real_gym: RealGym, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    """One deployment for the tests that leave it standing."""
-    with deployment(tmp_path_factory.mktemp("shared"), real_gym) as launched:
+def captures(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the shared deployment's Gym captures model calls and token ids."""
+    return tmp_path_factory.mktemp("captures")
+
+
+@pytest.fixture(scope="module")
+def shared(
+    real_gym: RealGym, captures: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Deployment]:
+    """One deployment for the tests that leave it standing, capturing."""
+    with deployment(tmp_path_factory.mktemp("shared"), real_gym, captures) as launched:
         yield wait_until_up(launched)
         launched.process.send_signal(signal.SIGTERM)
         launched.process.wait(timeout=HANG_GUARD_S)
@@ -337,3 +358,245 @@ async def test_the_callers_offline_choice_reaches_gyms_per_server_builds(
     assert failed is not None and failed["stage"] == "starting_gym"
     assert "Process `weather_tools` finished unexpectedly" in failed["error"]
     assert any("network was disabled" in line or "offline" in line for line in build), build
+
+
+# --- records a trainer can train on: Gym's own finalization, failures as Gym writes them ------
+
+
+async def trio_gym_run(
+    rows: list[dict[str, Any]], port: int, out: Path, *extra: str
+) -> subprocess.CompletedProcess[str]:
+    """The rows through ``trio-gym run`` (this checkout's) against the host on ``port``."""
+    rows_file = out.with_suffix(".rows.jsonl")
+    rows_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = [sys.executable, "-m", "trio_gym", "run", str(rows_file)]
+    argv += ["--url", f"http://127.0.0.1:{port}", "--out", str(out), *extra]
+    run = partial(subprocess.run, argv, cwd=REPO, capture_output=True, text=True, check=False)
+    with trio.fail_after(HANG_GUARD_S):
+        return await trio.to_thread.run_sync(run)
+
+
+@contextmanager
+def agents_host(
+    tmp_path: Path, gym: RealGym, head: str, health: list[dict[str, Any]] | None = None
+) -> Iterator[int]:
+    """``trio-gym serve --runner agents`` on a deployment that runs already (its head server at
+    ``head``), finalizing with the Gym Python; its port once ready. Its ready ``/health`` goes
+    to ``health``; without, it must say nothing more than ready."""
+    port_file = tmp_path / "agents.port"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NMP_")}
+    env["NMP_GYM_PYTHON"] = gym.python
+    argv = [sys.executable, "-m", "trio_gym", "serve", "--runner", "agents"]
+    argv += ["--head-server", f"http://{head}", "--port", "0", "--port-file", str(port_file)]
+    log = tmp_path / "agents-host.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen(argv, stderr=sink, env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S  # clock-ok
+        while True:
+            assert process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]  # clock-ok
+            if port_file.exists() and port_file.read_text().strip():
+                port = int(port_file.read_text())
+                url = f"http://127.0.0.1:{port}/health"
+                with contextlib.suppress(OSError), urllib.request.urlopen(url) as reply:
+                    ready = json.load(reply)
+                    if health is None:
+                        assert ready == {"status": "ready"}  # it finalizes: nothing to say
+                    else:
+                        health.append(ready)
+                    break
+            time.sleep(0.2)  # clock-ok
+        yield port
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=HANG_GUARD_S)
+
+
+def by_identity(records: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    return {(r["_ng_task_index"], r["_ng_rollout_index"]): r for r in records}
+
+
+# Where a failure record of ours may differ from Gym's for the same failed /run: Gym's name its
+# aiohttp exception and message, ours trio_gym's (which name the server).
+OURS_ON_FAILURES = ("_ng_failure_type", "_ng_failure_message")
+
+
+def without(record: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    return {key: value for key, value in record.items() if key not in keys}
+
+
+async def test_records_equal_gyms_own_collection_key_for_key_through_both_runners(
+    shared: Deployment, real_gym: RealGym, captures: Path, tmp_path: Path
+) -> None:
+    rows = [
+        row("weather_agent", "what is the weather in sf?", 40),  # rewarded
+        row("weather_agent", "weather [no-tool]", 41),  # rewarded 0
+        row("weather_agent", "what is the weather in sf? [no-tokens]", 42),  # no token ids
+        row("weather_agent", "weather [fail]", 43),  # the model fails: the agent answers 500
+        row("weather_session_agent", "what is the weather in sf?", 44),
+    ]
+    gyms, gyms_failures = await trio.to_thread.run_sync(
+        gyms_own_collection, real_gym.python, shared.head, rows, tmp_path / "gym.jsonl", captures
+    )
+    assert sorted(by_identity(gyms)) == [(40, 0), (41, 0), (42, 0), (44, 0)]
+    with agents_host(tmp_path, real_gym, shared.head) as agents_port:
+        for runner, port in (("gym", shared.port), ("agents", agents_port)):
+            out = tmp_path / f"{runner}.trio.jsonl"
+            done = await trio_gym_run(rows, port, out)
+            assert done.returncode == 1, done.stderr  # one row failed, and it says where
+            assert "1 of 5 examples failed" in done.stderr
+            ours = read_jsonl(out)
+            # Every result of the chunk is written, in input order, beside the failure.
+            assert [r["_ng_task_index"] for r in ours] == [40, 41, 42, 44], runner
+            assert comparable(by_identity(ours)) == comparable(by_identity(gyms)), runner
+            (failure,) = read_jsonl(out.with_name(f"{out.stem}_failures.jsonl"))
+            assert failure["_ng_failure_class"] == "agent_run_error"
+            assert failure["_ng_failure_http_status"] == 500
+            assert "the stub model refuses" in failure["_ng_failure_response_body"]
+            assert without(failure, OURS_ON_FAILURES) == without(gyms_failures[0], OURS_ON_FAILURES)
+    tokenless = by_identity(ours)[(42, 0)]
+    assert tokenless["mask_sample"] is True  # a sample without token ids is never trained on
+    assert tokenless["_ng_token_capture"]["capture_incomplete"] is True
+    rewarded = by_identity(ours)[(40, 0)]
+    assert rewarded["mask_sample"] is False and rewarded["reward"] == 1.0
+    assert len(rewarded["ng_model_call_capture"]["calls"]) == 2
+    assert len(rewarded["ng_trajectory"]["model_calls"]) == 2
+    assert rewarded["ng_perf"]["num_turns"] == 2 and rewarded["ng_perf"]["total_latency_ms"] > 0
+
+
+async def test_a_second_run_of_the_same_ids_does_not_double_a_capture(
+    shared: Deployment, tmp_path: Path
+) -> None:
+    rows = [row("weather_agent", "what is the weather in sf?", 45)]
+    first = await trio_gym_run(rows, shared.port, tmp_path / "first.jsonl")
+    second = await trio_gym_run(rows, shared.port, tmp_path / "second.jsonl")
+    assert first.returncode == second.returncode == 0, second.stderr
+    for out in ("first.jsonl", "second.jsonl"):
+        (record,) = read_jsonl(tmp_path / out)
+        assert len(record["ng_model_call_capture"]["calls"]) == 2, out  # not 4 the second time
+        assert len(record["ng_trajectory"]["model_calls"]) == 2, out
+
+
+async def test_rows_without_identity_keys_are_numbered_by_their_place_and_captured(
+    shared: Deployment, tmp_path: Path
+) -> None:
+    rows = [row("weather_agent", f"what is the weather in sf? [row {i}]", 0) for i in range(3)]
+    for unnumbered in rows:
+        del unnumbered["_ng_task_index"], unnumbered["_ng_rollout_index"]
+    done = await trio_gym_run(rows, shared.port, tmp_path / "out.jsonl", "--chunk-size", "2")
+    assert done.returncode == 0, done.stderr
+    records = read_jsonl(tmp_path / "out.jsonl")
+    # Numbered across chunks by their place in the file, as Gym's collection numbers rows.
+    assert [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in records] == [
+        (0, 0),
+        (1, 0),
+        (2, 0),
+    ]
+    for place, record in enumerate(records):
+        assert record["ng_model_call_capture"]["rollout_id"] == f"{place}-0"
+        assert len(record["ng_model_call_capture"]["calls"]) == 2  # captured, and found
+
+
+async def test_a_token_snapshot_is_retired_once_its_record_is_delivered_and_not_before(
+    shared: Deployment, real_gym: RealGym, captures: Path, tmp_path: Path
+) -> None:
+    tokens = captures / "tokens"
+    quick = row("weather_agent", "what is the weather in sf?", 46)
+    masked = row("weather_agent", "what is the weather in sf? [no-tokens]", 48)
+    hanging = row("weather_agent", "weather [hang]", 47)
+    before = await stub_stats(real_gym)
+    async with await trio.open_tcp_stream("127.0.0.1", shared.port) as stream:
+        await stream.send_all(request_bytes({"examples": [quick, hanging]}))
+        # The quick row's two calls answered, the hanging row's call open: the quick row is
+        # finished, its answer (the document) not yet delivered.
+        await until(lambda: _answered(real_gym, before["calls"] - before["running"] + 2), "")
+        await until(lambda: _running(real_gym, before["running"] + 1), "the hanging call")
+    # The caller left: its document is never delivered.
+    await until(lambda: _disconnects(real_gym, before["disconnects"] + 1), "the cut")
+    assert (tokens / "46-0.tokens.jsonl").exists()  # kept: the record never reached anyone
+    done = await trio_gym_run([quick, masked], shared.port, tmp_path / "out.jsonl")
+    assert done.returncode == 0, done.stderr
+    assert not (tokens / "46-0.tokens.jsonl").exists()  # delivered: retired
+    assert (tokens / "48-0.tokens.incomplete").exists()  # a masked build keeps its evidence
+
+
+async def _answered(gym: RealGym, count: int) -> bool:
+    stats = await stub_stats(gym)
+    return stats["calls"] - stats["running"] >= count
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                stat = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(stat[1]) == pid:
+                    found.append(int(entry.name))
+    return found
+
+
+def finalizer_of(host_pid: int) -> int:
+    (worker,) = [p for p in _children(host_pid) if b"finalize_worker.py" in _cmdline(p)]
+    return worker
+
+
+async def test_the_finalizer_killed_mid_batch_fails_only_the_rows_it_was_finishing(
+    shared: Deployment, real_gym: RealGym, tmp_path: Path
+) -> None:
+    with agents_host(tmp_path, real_gym, shared.head) as port:
+        host_pid = next(p for p in _children(os.getpid()) if b"--runner\0agents" in _cmdline(p))
+        worker = finalizer_of(host_pid)
+        before = await stub_stats(real_gym)
+        soon = row("weather_agent", "what is the weather in sf? [slow 2]", 50)
+        late = row("weather_agent", "what is the weather in sf? [slow 8]", 51)
+        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
+            await stream.send_all(request_bytes({"examples": [soon, late]}, headers=ROWS))
+            await until(lambda: _running(real_gym, before["running"] + 2), "both model calls")
+            os.kill(worker, signal.SIGSTOP)  # its captures cleared; now it answers nothing
+            # The soon row's two calls answered: its record waits on the stopped finalizer.
+            await until(lambda: _answered(real_gym, before["calls"] - before["running"] + 2), "")
+            await trio.sleep(2)  # its /verify and the agent's answer, then the call to finish
+            os.kill(worker, signal.SIGKILL)
+            with trio.fail_after(HANG_GUARD_S):
+                reply = await read_reply(stream)
+        restarted = finalizer_of(host_pid)
+    lines = lines_of(reply)
+    assert lines["done"] == {"done": True, "completed": 1, "failed": 1}
+    message = lines[0]["error"]["message"]
+    assert "FinalizeFailed: Gym's finalizer exited with status -9" in message
+    assert lines[0]["record"]["_ng_failure_class"] == "runner_error"
+    assert lines[0]["record"]["_ng_task_index"] == 50
+    late_record = lines[1]["result"]  # finished by the finalizer started again
+    assert len(late_record["ng_model_call_capture"]["calls"]) == 2
+    assert restarted != worker
+
+
+async def test_an_agents_host_whose_capture_folders_are_elsewhere_says_records_are_not_finalized(
+    real_gym: RealGym, tmp_path: Path
+) -> None:
+    deployment = {
+        "weather_agent": agent_instance(9),
+        "observability_enabled": True,
+        "model_call_capture_dir": "/elsewhere/model-calls",
+    }
+    head = FakeHeadServer(deployment)
+    health: list[dict[str, Any]] = []
+    async with trio.open_nursery() as nursery:
+        head_port = await nursery.start(head.serve)
+        start = partial(agents_host, tmp_path, real_gym, f"127.0.0.1:{head_port}", health)
+
+        def up_and_down() -> bool:
+            with start():
+                return Path("/elsewhere").exists()
+
+        made = await trio.to_thread.run_sync(up_and_down)
+        nursery.cancel_scope.cancel()
+    (ready,) = health
+    assert ready["status"] == "ready"  # its rows still run, unfinished, and it says so
+    assert "records are not finalized as Gym's collection finalizes them" in ready["detail"]
+    assert "/elsewhere/model-calls named by Gym's config is not a folder" in ready["detail"]
+    assert not made  # looked at, never made (Gym's stores make their folders)
+    log = (tmp_path / "agents-host.log").read_text()
+    assert log.count('"event": "records_not_finalized"') == 1

@@ -30,6 +30,7 @@ from trio_gym.protocol.rollouts import (
     FAILURE_TYPE_KEY,
     RUNNER_ERROR,
     STALE_ATTEMPT,
+    failure_identity,
 )
 from trio_gym.runners import ExampleContext
 from trio_gym.runners.base import Delivery, RecordedFailure
@@ -231,7 +232,7 @@ async def run_example(
             outcome = "completed"
     except Exception as exc:  # any runner failure is this example's failure, reported as such
         outcome = "failed"
-        record = carry_identity(example, failure_record(exc), identity)
+        record = failure_record(example, context.position, exc, identity)
         failure = ExampleFailed(episode.index, exc, record)
         failure.__cause__ = exc
     finally:
@@ -239,7 +240,7 @@ async def run_example(
         host.episodes.end(episode)
     if failure is None and episode.scope.cancelled_caught:
         retired = AttemptRetired(f"{episode.id.capture_key} was retired while it ran")
-        record = carry_identity(example, failure_record(retired, STALE_ATTEMPT), identity)
+        record = failure_record(example, context.position, retired, identity, STALE_ATTEMPT)
         failure = ExampleFailed(episode.index, retired, record, ErrorCode.STALE_ATTEMPT)
     if failure is None:
         finished(episode.index, carry_identity(example, result, identity), context.deliveries)
@@ -275,17 +276,26 @@ def carry_identity(example: Mapping[str, Any], result: Any, episode: EpisodeId |
     return {**result, **missing} if missing else result
 
 
-def failure_record(error: Exception, failure_class: str = RUNNER_ERROR) -> dict[str, Any]:
-    """The failure record of an example that failed with ``error``: the environment's own when
-    the runner gave one (:class:`~trio_gym.runners.base.RecordedFailure`: Gym's), else the
-    host's, of ``failure_class``, naming the error (its message bounded as a headline is)."""
+def failure_record(
+    example: Mapping[str, Any],
+    position: int,
+    error: Exception,
+    episode: EpisodeId | None,
+    failure_class: str = RUNNER_ERROR,
+) -> Any:
+    """The failure record of ``example`` (at ``position`` in the caller's input), failed with
+    ``error``: the environment's own when the runner gave one
+    (:class:`~trio_gym.runners.base.RecordedFailure`: Gym's), identity carried; else the
+    host's, of ``failure_class``, naming the error (bounded as a headline is) and the row."""
     if isinstance(error, RecordedFailure):
-        return dict(error.record)
-    return {
+        return carry_identity(example, dict(error.record), episode)
+    record = {
         FAILURE_CLASS_KEY: failure_class,
         FAILURE_TYPE_KEY: type(error).__name__,
         FAILURE_MESSAGE_KEY: str(error)[:HEADLINE_CHARS],
+        **failure_identity(example, position),
     }
+    return carry_identity(example, record, episode)
 
 
 def describe_failure(failure: ExampleFailed, note: str = "") -> str:

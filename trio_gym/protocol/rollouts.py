@@ -13,13 +13,17 @@ failed example comes back: as a *failure record*, the shape NeMo Gym's collectio
 A failure record is an object with ``_ng_failure_class``. Gym's classes come from Gym (its
 failure record, or the class its collection gives a failed ``/run``); the host adds
 :data:`RUNNER_ERROR` (a runner raised), :data:`STALE_ATTEMPT` (the control plane retired the
-attempt), and the trainer :data:`REQUEST_FAILED` (a chunk the host never answered).
+attempt), and the trainer :data:`REQUEST_FAILED` (a chunk the host never answered). Every
+failure record names its row as Gym's collection numbers rows (:func:`failure_identity`), so a
+trainer can tell which input line failed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any, Final, Literal
+
+from .identity import IDENTITY_KEYS, ROLLOUT_KEY, TASK_KEY
 
 FAILURES_FIELD: Final = "failures"
 FailureMode = Literal["batch", "records"]
@@ -35,6 +39,21 @@ FAILURE_BODY_KEY: Final = "_ng_failure_response_body"
 RUNNER_ERROR: Final = "runner_error"
 STALE_ATTEMPT: Final = "stale_attempt"
 REQUEST_FAILED: Final = "host_request_failed"
+
+
+# Copied from a row onto a failure record made for it, as Gym's collection copies them.
+ROUTING_KEYS: Final = ("agent_ref", "_ng_environment_server")
+
+
+def failure_identity(example: Mapping[str, Any], position: int) -> dict[str, Any]:
+    """What a failure record made for ``example`` (at ``position`` in the caller's input) says
+    of its row: its identity keys and routing, and a task index (its position) and rollout index
+    (0) where it has none — how Gym's collection numbers rows."""
+    identity = {TASK_KEY: position, ROLLOUT_KEY: 0}
+    for key in (*IDENTITY_KEYS, *ROUTING_KEYS):
+        if example.get(key) is not None:
+            identity[key] = example[key]
+    return identity
 
 
 def is_failure_record(result: Any) -> bool:

@@ -96,6 +96,7 @@ from .finalize import (
     FinalizeFailed,
     RecordFinalizer,
     Retirement,
+    StartWorker,
     capture_switches,
     worker_starter,
 )
@@ -277,7 +278,10 @@ class AgentsRunner:
         *,
         limits: HttpLimits | None = None,
         opener: StreamOpener = open_tcp,
+        finalizer_worker: StartWorker | None = None,
     ) -> None:
+        """``finalizer_worker`` starts Gym's finalizer (default: the Gym Python running
+        :mod:`.finalize_worker`)."""
         self.settings = settings
         self.limits = limits or HttpLimits()
         self.opener = opener
@@ -287,6 +291,7 @@ class AgentsRunner:
         self._slots: dict[Endpoint, trio.CapacityLimiter] = {}
         self.finalizer: RecordFinalizer | None = None
         """Gym's finalization of each record, when Gym's config captures and it can run here."""
+        self._finalizer_worker = finalizer_worker
         self._capturing: set[str] = set()
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -301,7 +306,7 @@ class AgentsRunner:
         try:
             self.finalizer = RecordFinalizer(
                 config,
-                worker_starter(self._gym_python()),
+                self._finalizer_worker or worker_starter(self._gym_python()),
                 call_timeout_s=self.settings.finalize_timeout_s,
             )
             await self.finalizer.run(task_status=task_status)

@@ -152,6 +152,7 @@ class _Worker:
         self.max_line_bytes = max_line_bytes
         self.calls: dict[int, _Call] = {}
         self.ended: str | None = None
+        self.gone = trio.Event()
         self._ids = itertools.count(1)
         self._writing = trio.Lock()
 
@@ -210,6 +211,7 @@ class _Worker:
         """The worker is gone: every call it was given fails, naming why (the first why)."""
         if self.ended is None:
             self.ended = why
+            self.gone.set()
         for call in self.calls.values():
             if not call.done.is_set():
                 call.failure = self.ended
@@ -276,21 +278,17 @@ class RecordFinalizer:
         refused: FinalizationUnavailable | None = None
         try:
             async with trio.open_nursery() as nursery:
-                if process.stderr is not None:
-                    nursery.start_soon(worker.stderr.pump, "stderr", process.stderr)
-                nursery.start_soon(self._read_then_end, worker)
+                nursery.start_soon(self._watch, worker)
                 try:
                     await self._configure(worker)
                 except FinalizationUnavailable as exc:
                     refused = exc
-                    nursery.cancel_scope.cancel()
-                    return
-                self._use(worker)
-                task_status.started()
-                status = await process.wait()
-                worker.end(self._death(worker, f"exited with status {status}"))
-                # Its pipes end with it; a little while for the last of its output.
-                nursery.cancel_scope.deadline = trio.current_time() + 1.0
+                else:
+                    self._use(worker)
+                    task_status.started()
+                    await worker.gone.wait()
+                    self._use(None)
+                nursery.cancel_scope.cancel()
         finally:
             if self._worker is worker:
                 self._use(None)
@@ -298,12 +296,20 @@ class RecordFinalizer:
             self._last_end = worker.ended or self._last_end
             with trio.CancelScope(shield=True):
                 await self._stop(process)
-            if refused is not None:
-                raise refused
+        if refused is not None:
+            raise refused
 
-    async def _read_then_end(self, worker: _Worker) -> None:
-        await worker.read_answers()
-        worker.end(self._death(worker, "closed its output"))
+    async def _watch(self, worker: _Worker) -> None:
+        """Read the worker's answers and its standard error until it exits; then, once the
+        last of its output is in (within a second), end it: its calls in flight fail."""
+        process = worker.process
+        async with trio.open_nursery() as pipes:
+            pipes.start_soon(worker.read_answers)
+            if process.stderr is not None:
+                pipes.start_soon(worker.stderr.pump, "stderr", process.stderr)
+            status = await process.wait()
+            pipes.cancel_scope.deadline = trio.current_time() + 1.0
+        worker.end(self._death(worker, f"exited with status {status}"))
 
     def _death(self, worker: _Worker, how: str) -> str:
         tail = worker.stderr.text()
@@ -345,7 +351,7 @@ class RecordFinalizer:
         again). Raises :class:`FinalizeFailed` saying why."""
         worker: _Worker | None = None
         with trio.move_on_after(self.call_timeout_s):
-            while self._worker is None:
+            while self._worker is None or self._worker.ended is not None:
                 await self._worker_changed.wait()
             worker = self._worker
             return await worker.call(op, fields)

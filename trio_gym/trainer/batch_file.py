@@ -19,13 +19,13 @@ from typing import Any, TextIO
 
 import trio
 
-from trio_gym.protocol.identity import IDENTITY_KEYS, ROLLOUT_KEY, TASK_KEY
 from trio_gym.protocol.rollouts import (
     FAILURE_CLASS_KEY,
     FAILURE_MESSAGE_KEY,
     FAILURE_STATUS_KEY,
     FAILURE_TYPE_KEY,
     REQUEST_FAILED,
+    failure_identity,
     is_failure_record,
 )
 from trio_gym.trainer.client import Progress, batch_failure
@@ -34,8 +34,6 @@ from trio_gym.trainer.hosts import LaunchFailed
 
 # What a failure record made here says beside Gym's keys: where its chunk's failure came from.
 FAILURE_ORIGIN_KEY = "_trio_gym_failure_origin"
-# Copied from an example onto the failure record made for it, as Gym's carry them.
-ROUTING_KEYS = ("agent_ref", "_ng_environment_server")
 
 
 class ExamplesFileError(ValueError):
@@ -107,21 +105,15 @@ def request_failure_record(
     example: Mapping[str, Any], position: int, error: RolloutError
 ) -> dict[str, Any]:
     """The failure record of an example whose chunk the host never answered: the chunk's error,
-    the example's identity (numbered by its position when it has none, as a Gym host numbers
-    it) and routing."""
-    record: dict[str, Any] = {
+    and the example's row as a failure record names it."""
+    return {
         FAILURE_CLASS_KEY: REQUEST_FAILED,
         FAILURE_TYPE_KEY: type(error).__name__,
         FAILURE_MESSAGE_KEY: error.message,
         FAILURE_STATUS_KEY: error.status,
         FAILURE_ORIGIN_KEY: error.origin.value,
-        TASK_KEY: position,
-        ROLLOUT_KEY: 0,
+        **failure_identity(example, position),
     }
-    for key in (*IDENTITY_KEYS, *ROUTING_KEYS):
-        if example.get(key) is not None:
-            record[key] = example[key]
-    return record
 
 
 def failures_path(out: Path | None, examples_path: Path) -> Path:

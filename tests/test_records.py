@@ -1,0 +1,218 @@
+"""Records a trainer can train on, through the real host: every record finished by Gym's
+finalizer (here a fake worker on memory streams: ``tests/fake_finalizer.py``), captures cleared
+before each ``/run``, snapshots retired only once delivered, failures as failure records. Gym's
+own finalizer against real Gym: ``tests/test_gym_real.py``."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+
+from tests.fake_finalizer import FakeWorkers, default_behaviour
+from tests.fake_gym import FakeAgentServer, FakeHeadServer, agent_instance
+from tests.helpers import read_reply, request_bytes, running_host, tcp_exchange
+from trio_gym.config import ServeConfig
+from trio_gym.host import Host
+from trio_gym.runners import AgentSettings, AgentsRunner
+from trio_gym.runners.gym import GymStartFailed
+
+HANG_GUARD_S = 30
+ROWS = [("Accept", "application/x-ndjson")]
+CAPTURING = {"observability_enabled": True, "model_call_capture_dir": "/captures"}
+
+
+def row(**fake: Any) -> dict[str, Any]:
+    return {"agent_ref": {"name": "weather"}, "responses_create_params": {}, "_fake": fake}
+
+
+class Rig:
+    def __init__(self, host: Host, port: int, agent: FakeAgentServer, workers: FakeWorkers):
+        self.host, self.port, self.agent, self.workers = host, port, agent, workers
+
+    def ops(self, op: str) -> list[dict[str, Any]]:
+        return self.workers.requests(op)
+
+
+@asynccontextmanager
+async def finalizing_host(behaviour: Any = default_behaviour) -> AsyncIterator[Rig]:
+    """A host whose agents runner finalizes with fake workers, against a fake Gym deployment
+    whose config switches capture on."""
+    agent = FakeAgentServer("weather")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(agent.serve)
+        head = FakeHeadServer({"weather": agent_instance(agent.port), **CAPTURING})
+        head_port = await nursery.start(head.serve)
+        workers = FakeWorkers(nursery, behaviour)
+        settings = AgentSettings(agents={}, head_server=f"http://127.0.0.1:{head_port}")
+        runner = AgentsRunner(settings, finalizer_worker=workers.start)
+        async with trio.open_nursery() as services:  # as the host's services nursery runs it
+            await services.start(runner.serve)
+            async with running_host(runner=runner) as (host, port):
+                yield Rig(host, port, agent, workers)
+            services.cancel_scope.cancel()
+        nursery.cancel_scope.cancel()
+
+
+def lines_of(body: bytes) -> dict[Any, dict[str, Any]]:
+    parsed = [json.loads(line) for line in body.split(b"\n") if line.strip()]
+    return {line.get("index", "done"): line for line in parsed}
+
+
+async def test_every_record_is_finished_after_its_captures_were_cleared_before_its_run() -> None:
+    async with finalizing_host() as rig:
+        batch = {"examples": [row(), row()], "row_offset": 10}
+        with trio.fail_after(HANG_GUARD_S):
+            reply = await tcp_exchange(rig.port, request_bytes(batch))
+    results = reply.json()["results"]
+    assert [r["finished_by"] for r in results] == [1, 1]
+    # Numbered from the request's row_offset, as Gym numbers rows by their place in the input.
+    assert [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in results] == [(10, 0), (11, 0)]
+    prepared = [r["row"]["_ng_task_index"] for r in rig.ops("prepare")]
+    assert sorted(prepared) == [10, 11]
+    assert sorted(request["_ng_task_index"] for request in rig.agent.requests) == [10, 11]
+    finished = rig.ops("finish")
+    assert all(f["latency_ms"] is not None and f["latency_ms"] >= 0 for f in finished)
+    assert all(f["record"]["agent_ref"] == {"name": "weather"} for f in finished)
+    assert len(rig.ops("retire")) == 2  # both delivered
+
+
+async def test_a_snapshot_is_retired_once_its_row_is_written_and_never_when_undelivered() -> None:
+    async with finalizing_host() as rig:
+        stream = await trio.open_tcp_stream("127.0.0.1", rig.port)
+        batch = {"examples": [row(), row(hang=True)]}
+        with trio.fail_after(HANG_GUARD_S):
+            await stream.send_all(request_bytes(batch, headers=ROWS))
+            await rig.workers.wait_for("retire", 1)  # the quick row's line was written
+            await stream.aclose()  # the caller leaves before the other's row
+            await rig.agent.wait_for(lambda agent: agent.running == 0)
+        # A document that is never delivered: its finished record keeps its snapshot.
+        stream = await trio.open_tcp_stream("127.0.0.1", rig.port)
+        with trio.fail_after(HANG_GUARD_S):
+            await stream.send_all(request_bytes({"examples": [row(), row(hang=True)]}))
+            await rig.workers.wait_for("finish", 2)  # the quick row of this batch is finished
+            await stream.aclose()
+            await rig.agent.wait_for(lambda agent: agent.running == 0)
+        retired = len(rig.ops("retire"))
+    assert retired == 1  # only the row that reached its caller
+    assert len(rig.ops("finish")) == 2  # a cancelled example is never finalized
+
+
+async def test_a_record_gyms_finalizer_cannot_finish_fails_its_row_naming_why() -> None:
+    async def refuse_the_second(worker: int, request: dict[str, Any]) -> Any:
+        if request["op"] == "finish" and request["row"]["_ng_task_index"] == 1:
+            return {"ok": False, "error": "KeyError: 'ng_trajectory'"}
+        return await default_behaviour(worker, request)
+
+    async with finalizing_host(refuse_the_second) as rig:
+        with trio.fail_after(HANG_GUARD_S):
+            rows = await tcp_exchange(
+                rig.port, request_bytes({"examples": [row(), row()]}, headers=ROWS)
+            )
+            document = await tcp_exchange(rig.port, request_bytes({"examples": [row(), row()]}))
+    lines = lines_of(rows.body)
+    assert lines[0]["result"]["finished_by"] == 1
+    record = lines[1]["record"]
+    assert record["_ng_failure_class"] == "runner_error"
+    assert record["_ng_failure_type"] == "FinalizeFailed"
+    assert "Gym's finalizer refused: KeyError: 'ng_trajectory'" in record["_ng_failure_message"]
+    assert record["_ng_task_index"] == 1  # identity carried onto the failure record
+    error = document.json()["error"]  # a document fails as a whole, as the upstream host's does
+    assert error["code"] == "internal" and "FinalizeFailed" in error["message"]
+
+
+async def test_failure_records_in_place_keep_every_other_result() -> None:
+    async with finalizing_host() as rig:
+        batch = {"examples": [row(), row(status=500), row()], "failures": "records"}
+        with trio.fail_after(HANG_GUARD_S):
+            reply = await tcp_exchange(rig.port, request_bytes(batch))
+    first, failed, third = reply.json()["results"]
+    assert first["finished_by"] == third["finished_by"] == 1
+    assert failed["_ng_failure_class"] == "agent_run_error"
+    assert failed["_ng_failure_http_status"] == 500 and failed["finished_by"] == 1  # by Gym too
+    assert failed["_ng_task_index"] == 1 and failed["agent_ref"] == {"name": "weather"}
+    assert rig.host.stats.examples_cancelled == 0  # its chunk-mates ran to the end
+
+
+async def test_one_rollout_id_runs_once_at_a_time_while_its_captures_are_kept() -> None:
+    async with finalizing_host() as rig:
+        first = await trio.open_tcp_stream("127.0.0.1", rig.port)
+        twin = {**row(hang=True), "_ng_task_index": 4, "_ng_rollout_index": 0}
+        with trio.fail_after(HANG_GUARD_S):
+            await first.send_all(request_bytes({"examples": [twin]}, headers=ROWS))
+            await rig.agent.wait_for(lambda agent: agent.running == 1)
+            second = await tcp_exchange(
+                rig.port, request_bytes({"examples": [{**twin, "_fake": {}}]}, headers=ROWS)
+            )
+            await first.aclose()
+    message = lines_of(second.body)[0]["error"]["message"]
+    assert "rollout 4-0 is already running on this host" in message
+    assert len(rig.agent.requests) == 1  # the second never reached Gym, nor cleared a capture
+    assert len(rig.ops("prepare")) == 1
+
+
+async def test_an_agents_host_that_cannot_finalize_says_so_once_and_in_its_health(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    agent = FakeAgentServer("weather")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(agent.serve)
+        head = FakeHeadServer({"weather": agent_instance(agent.port), **CAPTURING})
+        head_port = await nursery.start(head.serve)
+        config = ServeConfig(port=0, runner="agents", head_server=f"http://127.0.0.1:{head_port}")
+        with caplog.at_level(logging.WARNING, logger="trio_gym"):
+            async with running_host(config) as (host, port):
+                with trio.fail_after(HANG_GUARD_S):
+                    await host.settled.wait()
+                    health = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
+                    reply = await tcp_exchange(port, request_bytes({"examples": [row()]}))
+        nursery.cancel_scope.cancel()
+    assert health.status == 200 and health.json()["status"] == "ready"
+    detail = health.json()["detail"]
+    assert "records are not finalized as Gym's collection finalizes them" in detail
+    assert "observability_enabled" in detail and "--gym-python (NMP_GYM_PYTHON)" in detail
+    warnings = [r for r in caplog.records if r.getMessage() == "records_not_finalized"]
+    assert len(warnings) == 1
+    assert reply.json()["results"][0]["reward"] == 0.5  # its rows still run
+
+
+async def test_a_gym_runner_that_cannot_finalize_does_not_start() -> None:
+    agent = FakeAgentServer("weather")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(agent.serve)
+        head = FakeHeadServer({"weather": agent_instance(agent.port), **CAPTURING})
+        head_port = await nursery.start(head.serve)
+        workers = FakeWorkers(nursery)
+        workers.refuse_start = PermissionError(13, "Permission denied")
+        settings = AgentSettings(
+            agents={}, head_server=f"http://127.0.0.1:{head_port}", finalize_required=True
+        )
+        runner = AgentsRunner(settings, finalizer_worker=workers.start)
+        with pytest.raises(GymStartFailed, match=r"records are not finalized .*Permission denied"):
+            await nursery.start(runner.serve)
+        nursery.cancel_scope.cancel()
+
+
+async def test_without_capture_in_gyms_config_nothing_is_finalized() -> None:
+    agent = FakeAgentServer("weather")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(agent.serve)
+        head = FakeHeadServer({"weather": agent_instance(agent.port)})
+        head_port = await nursery.start(head.serve)
+        workers = FakeWorkers(nursery)
+        settings = AgentSettings(agents={}, head_server=f"http://127.0.0.1:{head_port}")
+        runner = AgentsRunner(settings, finalizer_worker=workers.start)
+        await nursery.start(runner.serve)
+        async with running_host(runner=runner) as (host, port):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(request_bytes({"examples": [row()]}))
+                reply = await read_reply(stream)
+        nursery.cancel_scope.cancel()
+    assert "finished_by" not in reply.json()["results"][0]
+    assert workers.started == [] and runner.finalizer is None
