@@ -22,6 +22,14 @@ pins nothing), every collecting process to CPU 1. Then, ``--runs`` times, altern
   --chunk-size C --max-in-flight IN_FLIGHT/C`` (C = 8, the client's default: 8 requests of 8 at
   64 in flight, as `trio-gym run` runs by default).
 
+Twice (``--capture off,on``): on a deployment as above, and on one with Gym's model-call and
+token-ID capture switched on (``observability_enabled``, ``model_call_capture_dir``,
+``token_id_capture.{enabled,all_agents,dir}``): Gym's collector is given the same switches, the
+trio_gym host ``--gym-python`` (so every record is finished by Gym's own code in the host's
+worker, and each row's captures cleared before it runs: its CPU is counted with the host's).
+The stub answers with token ids, as a vLLM policy in training does. Cancel latency is measured
+without capture only.
+
 Scenarios (every row: "the weather in sf?", two model calls, the verifier's reward 1):
 
 - ``fast``: the stub answers at once; ``--rows`` (2,000) rows, ``--in-flight`` (64) at once;
@@ -83,6 +91,8 @@ POLL_S = 0.02
 GYM_START_TIMEOUT_S = 300.0
 COLLECT_TIMEOUT_S = 600.0
 COLLECTORS = ("gym", "trio_gym")
+# Marks the workloads run with Gym's capture switched on.
+CAPTURED = "+capture"
 LABELS = {"gym": "Gym's collection", "trio_gym": "trio_gym host + trio-gym run"}
 SCENARIOS = ("fast", "think")
 TOOLS = [
@@ -345,10 +355,15 @@ class Stub:
 class Gym:
     """One Gym deployment, started with Gym's own ``ng_run`` in a session of its own."""
 
-    def __init__(self, python: str, scratch: Path, stub: Stub, cpu: int | None) -> None:
+    def __init__(
+        self, python: str, scratch: Path, stub: Stub, cpu: int | None, *, capture: bool
+    ) -> None:
         self.bin = Path(python).parent
+        self.python = python
         self.head_port = free_port()
         venv = self.bin.parent
+        scratch = scratch / ("gym-capture" if capture else "gym")
+        scratch.mkdir()
         venvs = scratch / "venvs"
         for server in SERVER_DIRS:
             (venvs / server).mkdir(parents=True)
@@ -367,6 +382,20 @@ class Gym:
             f"+uv_venv_dir={venvs}",
             "+global_aiohttp_connector_limit_per_host=8192",
         ]
+        self.capture = capture
+        # Gym's capture switches, for the deployment and for Gym's collector alike.
+        self.capture_args = (
+            [
+                "+observability_enabled=true",
+                f"+model_call_capture_dir={scratch / 'model-calls'}",
+                "+token_id_capture.enabled=true",
+                "+token_id_capture.all_agents=true",
+                f"+token_id_capture.dir={scratch / 'tokens'}",
+            ]
+            if capture
+            else []
+        )
+        argv += self.capture_args
         self.env = {
             k: v for k, v in os.environ.items() if not k.startswith("NMP_") and k != "PYTHONPATH"
         }
@@ -485,6 +514,7 @@ class Bench:
             f"+num_samples_in_parallel={in_flight}",
             "+disable_aggregation=true",
             "+disable_health_check=true",
+            *self.gym.capture_args,
         ]
         return start(pinned(self.cpu, argv), out.with_suffix(".log"), env=self.gym.env)
 
@@ -497,6 +527,8 @@ class Bench:
         }
         argv = [sys.executable, "-m", "trio_gym", "serve", "--runner", "agents"]
         argv += ["--head-server", self.gym.head_url, "--port", "0", "--port-file", str(port_file)]
+        if self.gym.capture:  # every record finished by Gym's own code, in the host's worker
+            argv += ["--gym-python", self.gym.python]
         host = start(pinned(self.cpu, argv), name.with_suffix(".host.log"), env=env)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -732,25 +764,35 @@ ROWS: list[tuple[str, str, str, str]] = [
 
 
 def table(document: dict[str, Any]) -> str:
+    """The medians as markdown: one table per capture mode run (capture on: collection only)."""
     medians = document["medians"]
     sizes = document["sizes"]
     head = ["figure"]
     for scenario in SCENARIOS:
         for kind in COLLECTORS:
             head.append(f"{LABELS[kind]} — {sizes[scenario]}")
-    lines = ["| " + " | ".join(head) + " |", "|---|" + "---|" * (len(head) - 1)]
-    for section, figure, label, form in ROWS:
-        cells = []
-        for scenario in SCENARIOS:
-            for kind in COLLECTORS:
-                by = medians.get(f"{section}-{scenario}", {}).get(kind, {})
-                value = by.get(figure)
-                if figure == "without_reward":
-                    every = document["all"].get(f"{section}-{scenario}", {}).get(kind, [])
-                    value = max((run[figure] for run in every), default=None)
-                cells.append("—" if value is None else form.format(value))
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    tables = []
+    modes = (("", "capture off"), (CAPTURED, "Gym's model-call and token-ID capture on"))
+    for mark, title in modes:
+        if not any(key.endswith(CAPTURED) == bool(mark) for key in medians):
+            continue
+        lines = [f"{title}:", "", "| " + " | ".join(head) + " |"]
+        lines.append("|---|" + "---|" * (len(head) - 1))
+        for section, figure, label, form in ROWS:
+            if mark and section != "collect":
+                continue
+            cells = []
+            for scenario in SCENARIOS:
+                for kind in COLLECTORS:
+                    workload = f"{section}-{scenario}{mark if section == 'collect' else ''}"
+                    value = medians.get(workload, {}).get(kind, {}).get(figure)
+                    if figure == "without_reward":
+                        every = document["all"].get(workload, {}).get(kind, [])
+                        value = max((run[figure] for run in every), default=None)
+                    cells.append("—" if value is None else form.format(value))
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def gym_python(named: str) -> str:
@@ -801,6 +843,9 @@ def main() -> None:
     parser.add_argument("--cancel-think-s", type=float, default=30.0)
     parser.add_argument("--cancel-reps", type=int, default=1, help="per run and collector")
     parser.add_argument("--only", default="fast,think,cancel")
+    parser.add_argument(
+        "--capture", default="off,on", help="Gym's capture off, on, or both (off,on), in turn"
+    )
     parser.add_argument("--gym-python", default="")
     parser.add_argument("--no-pin", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "gym_results.json")
@@ -834,14 +879,6 @@ def main() -> None:
         try:
             server_cpu = None if args.no_pin else 0
             stub = Stub(scratch, server_cpu)
-            gym = Gym(python, scratch, stub, server_cpu)
-            startup_s = gym.wait_ready()
-            affinities = gym.affinities()
-            print(
-                f"Gym up in {startup_s:.1f} s; its processes' CPU affinities: {affinities}",
-                flush=True,
-            )
-            bench = Bench(args, scratch, stub, gym)
             fast_rows = write_rows(scratch / "fast.jsonl", args.rows, 0)
             think_rows = write_rows(scratch / "think.jsonl", args.rows, args.think_s)
             cancel_fast = write_rows(
@@ -850,34 +887,49 @@ def main() -> None:
             cancel_think = write_rows(
                 scratch / "cancel-think.jsonl", args.cancel_rows, args.cancel_think_s
             )
-            for _ in range(args.runs):
-                for kind in COLLECTORS:
-                    if "fast" in only:
-                        record(
-                            "collect-fast",
-                            kind,
-                            bench.collect(kind, "fast", fast_rows, args.rows, args.in_flight),
-                        )
-                for kind in COLLECTORS:
-                    if "think" in only:
-                        record(
-                            "collect-think",
-                            kind,
-                            bench.collect(kind, "think", think_rows, args.rows, args.rows),
-                        )
-                for _rep in range(args.cancel_reps):
+            for capture in args.capture.split(","):
+                if gym is not None:
+                    gym.stop()
+                gym = Gym(python, scratch, stub, server_cpu, capture=capture == "on")
+                startup_s = gym.wait_ready()
+                affinities = gym.affinities()
+                print(
+                    f"Gym (capture {capture}) up in {startup_s:.1f} s; its processes' CPU "
+                    f"affinities: {affinities}",
+                    flush=True,
+                )
+                bench = Bench(args, scratch, stub, gym)
+                mark = "" if capture == "off" else CAPTURED
+                for _ in range(args.runs):
                     for kind in COLLECTORS:
-                        if "cancel" in only:
+                        if "fast" in only:
                             record(
-                                "cancel-fast", kind, bench.cancel(kind, cancel_fast, args.in_flight)
-                            )
-                    for kind in COLLECTORS:
-                        if "cancel" in only:
-                            record(
-                                "cancel-think",
+                                f"collect-fast{mark}",
                                 kind,
-                                bench.cancel(kind, cancel_think, args.cancel_rows),
+                                bench.collect(kind, "fast", fast_rows, args.rows, args.in_flight),
                             )
+                    for kind in COLLECTORS:
+                        if "think" in only:
+                            record(
+                                f"collect-think{mark}",
+                                kind,
+                                bench.collect(kind, "think", think_rows, args.rows, args.rows),
+                            )
+                    for _rep in range(args.cancel_reps if capture == "off" else 0):
+                        for kind in COLLECTORS:
+                            if "cancel" in only:
+                                record(
+                                    "cancel-fast",
+                                    kind,
+                                    bench.cancel(kind, cancel_fast, args.in_flight),
+                                )
+                        for kind in COLLECTORS:
+                            if "cancel" in only:
+                                record(
+                                    "cancel-think",
+                                    kind,
+                                    bench.cancel(kind, cancel_think, args.cancel_rows),
+                                )
         finally:
             leftovers = cleanup(gym)
     summary = {w: {k: median_of(runs) for k, runs in by.items()} for w, by in results.items()}

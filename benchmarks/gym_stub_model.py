@@ -6,6 +6,9 @@ Gym's ``openai_model`` server calls ``POST /v1/responses``; this answers it the 
 verifier rewards 1: a ``get_weather`` call first, then, once the tool's output is in the input, a
 plain message. A row asks the model to "think" by saying ``[think S]`` in its user message: the
 answer then comes ``S`` seconds later (both calls of the row), unless the caller hangs up first.
+Like a vLLM policy in training, the item it generates carries ``prompt_token_ids``,
+``generation_token_ids`` and ``generation_log_probs`` (what Gym's token-ID capture records), a
+continuation's prompt extending its parent's prompt and generation.
 
 Every model call is recorded with ``time.monotonic()`` (CLOCK_MONOTONIC, the same clock in every
 process of the machine): ``[row, call, started, ended, outcome]`` with outcome ``answered`` or
@@ -80,7 +83,36 @@ def _response(output: list[dict[str, Any]]) -> bytes:
     ).encode()
 
 
-def _message() -> bytes:
+def _item_tokens(item: dict[str, Any]) -> list[int]:
+    """The ids one item stands for, the same for an item generated and for it echoed back."""
+    kind = item.get("type") or "message"
+    if kind == "function_call":
+        text = f"call {item.get('name')} {item.get('arguments')}"
+    elif kind == "function_call_output":
+        text = f"output {item.get('output')}"
+    else:
+        content = item.get("content")
+        if isinstance(content, list):
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        text = f"{item.get('role', 'assistant')} {content}"
+    return [3 + byte % 250 for byte in text.encode()[:24]]
+
+
+def _with_tokens(item: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    items = request.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    prompt = [t for i in items or [] if isinstance(i, dict) for t in _item_tokens(i)]
+    generated = _item_tokens(item)
+    return {
+        **item,
+        "prompt_token_ids": prompt,
+        "generation_token_ids": generated,
+        "generation_log_probs": [-0.5] * len(generated),
+    }
+
+
+def _message(request: dict[str, Any]) -> bytes:
     item = {
         "id": f"msg-{next(_ids)}",
         "content": [{"annotations": [], "text": "Sunny.", "type": "output_text"}],
@@ -88,10 +120,10 @@ def _message() -> bytes:
         "status": "completed",
         "type": "message",
     }
-    return _response([item])
+    return _response([_with_tokens(item, request)])
 
 
-def _weather_call() -> bytes:
+def _weather_call(request: dict[str, Any]) -> bytes:
     item = {
         "id": f"fc-{next(_ids)}",
         "call_id": f"call-{next(_ids)}",
@@ -100,7 +132,7 @@ def _weather_call() -> bytes:
         "type": "function_call",
         "status": "completed",
     }
-    return _response([item])
+    return _response([_with_tokens(item, request)])
 
 
 def _user_text_and_tool_output(request: dict[str, Any]) -> tuple[str, bool]:
@@ -174,7 +206,7 @@ class ModelProtocol(asyncio.Protocol):
         row = ROW.search(text)
         think = THINK.search(text)
         record = CALLS.start(int(row[1]) if row else -1, 2 if tool_output else 1)
-        answer = _message() if tool_output else _weather_call()
+        answer = _message(request) if tool_output else _weather_call(request)
         delay = float(think[1]) if think else 0.0
         if delay <= 0:
             CALLS.end(record, "answered")

@@ -394,15 +394,15 @@ MUTATIONS = [
     Mutation(
         "a failed example ends the row stream (cancelling its siblings)",
         "trio_gym/host/rows.py",
-        "    work = partial(run_examples, host, examples, episodes, finished, failed)",
-        "    work = partial(run_examples, host, examples, episodes, finished)",
+        "    work = partial(run_examples, host, examples, episodes, finished, failed, row_offset)",
+        "    work = partial(run_examples, host, examples, episodes, finished, None, row_offset)",
         ("tests/test_rows.py::test_a_failed_example_is_a_sidecar_row_and_the_stream_goes_on",),
     ),
     Mutation(
         "rows held back until the batch ends (not in completion order as they finish)",
         "trio_gym/host/rows.py",
-        "        async for line, ok in rows_out:\n            await body.send(line)",
-        "        async for line, ok in rows_out:\n"
+        "        async for line, ok, deliveries in rows_out:\n            await body.send(line)",
+        "        async for line, ok, deliveries in rows_out:\n"
         "            await trio.sleep_until(trio.current_time() + 1000)\n"
         "            await body.send(line)",
         ("tests/test_rows.py::test_rows_come_in_completion_order_with_empty_line_heartbeats",),
@@ -1380,8 +1380,8 @@ MUTATIONS = [
     Mutation(
         "a record Gym marks failed taken as a result (#13)",
         "trio_gym/runners/agents.py",
-        "            if failure is None:\n                return record",
-        "            if True:\n                return record",
+        "                failure = record.get(FAILURE_CLASS_KEY) if isinstance(record, dict) else None",
+        "                failure = None",
         (
             "tests/test_agents.py::test_a_gym_failure_record_is_a_failed_row_not_a_result",
             "tests/test_agents.py::test_a_failed_rollout_is_tried_again_counting_attempts_then_succeeds",
@@ -1399,8 +1399,8 @@ MUTATIONS = [
     Mutation(
         "a failed rollout's next try not counted in _ng_attempt_index (#13)",
         "trio_gym/runners/agents.py",
-        "            row = {**example, ATTEMPT_KEY: first + tries}",
-        "            row = dict(example)",
+        "                row = {**row, ATTEMPT_KEY: first + tries}",
+        "                row = dict(row)",
         (
             "tests/test_agents.py::test_a_failed_rollout_is_tried_again_counting_attempts_then_succeeds",
         ),
@@ -1478,8 +1478,8 @@ MUTATIONS = [
     Mutation(
         "episode identity invented with the control plane off (#13)",
         "trio_gym/host/batch.py",
-        "            carry_identity(example, result, episode.id if host.tracks_episodes else None),",
-        "            carry_identity(example, result, episode.id),",
+        "    identity = episode.id if host.tracks_episodes else None",
+        "    identity = episode.id",
         (
             "tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys_and_none_invented",
             "tests/test_agents.py::test_records_carry_what_gyms_collection_stamps_and_nothing_invented",
@@ -1531,8 +1531,9 @@ MUTATIONS = [
     Mutation(
         "a failed rollout's record keeps the first try's attempt (#13)",
         "trio_gym/runners/agents.py",
-        "            record = stamp_record(row, await self._call(server, row, episode=episode), server)",
-        "            record = stamp_record(example, await self._call(server, row, episode=episode), server)",
+        "        return await self._finish(gym_row, stamp_record(row, answer, server), latency_ms)",
+        "        first = {k: v for k, v in row.items() if k != ATTEMPT_KEY}\n"
+        "        return await self._finish(gym_row, stamp_record(first, answer, server), latency_ms)",
         (
             "tests/test_agents.py::test_a_failed_rollout_is_tried_again_counting_attempts_then_succeeds",
         ),
@@ -1897,6 +1898,246 @@ MUTATIONS = [
         "                completed = True",
         "                completed = False",
         ("tests/test_host_clock.py::test_heartbeat_cadence_over_a_30_minute_batch",),
+    ),
+    Mutation(
+        "records passed on unfinished: Gym's finalization skipped (#22)",
+        "trio_gym/runners/agents.py",
+        "        if self.finalizer is None or not isinstance(record, dict):",
+        "        if True:",
+        (
+            "tests/test_records.py::test_every_record_is_finished_after_its_captures_were_cleared_before_its_run",
+            "tests/test_gym_real.py::test_records_equal_gyms_own_collection_key_for_key_through_both_runners",
+        ),
+    ),
+    Mutation(
+        "old captures not cleared before a row's /run (#22)",
+        "trio_gym/runners/agents.py",
+        "            await self.finalizer.prepare(gym_row)",
+        "            pass",
+        (
+            "tests/test_records.py::test_every_record_is_finished_after_its_captures_were_cleared_before_its_run",
+            "tests/test_gym_real.py::test_a_second_run_of_the_same_ids_does_not_double_a_capture",
+        ),
+    ),
+    Mutation(
+        "a token snapshot retired as soon as its record is finished, delivered or not (#22)",
+        "trio_gym/runners/agents.py",
+        "                        context.when_delivered(partial(self._retire, self.finalizer, retirement))",
+        "                        await self._retire(self.finalizer, retirement)",
+        (
+            "tests/test_records.py::test_a_snapshot_is_retired_once_its_row_is_written_and_never_when_undelivered",
+            "tests/test_gym_real.py::test_a_token_snapshot_is_retired_once_its_record_is_delivered_and_not_before",
+        ),
+    ),
+    Mutation(
+        "a row's deliveries run before its line is written (#22)",
+        "trio_gym/host/rows.py",
+        '            await body.send(line)\n            counts["completed" if ok else "failed"] += 1\n            await deliver(deliveries)',
+        '            await deliver(deliveries)\n            await body.send(line)\n            counts["completed" if ok else "failed"] += 1',
+        (
+            "tests/test_records.py::test_a_snapshot_is_retired_once_its_row_is_written_and_never_when_undelivered",
+            "tests/test_records.py::test_a_row_whose_line_never_reaches_its_caller_keeps_its_snapshot",
+        ),
+    ),
+    Mutation(
+        "a document's deliveries run whether or not it was answered with its results (#22)",
+        "trio_gym/host/rollouts.py",
+        "    if answer.error is None:\n        await deliver(deliveries)",
+        "    await deliver(deliveries)",
+        (
+            "tests/test_records.py::test_a_snapshot_is_retired_once_its_row_is_written_and_never_when_undelivered",
+            "tests/test_records.py::test_a_document_that_fails_as_a_whole_retires_none_of_its_finished_records",
+        ),
+        also=(
+            (
+                "trio_gym/host/rollouts.py",
+                "    if body is None:\n        await send_body(",
+                "    await deliver(deliveries)\n    if body is None:\n        await send_body(",
+            ),
+        ),
+    ),
+    Mutation(
+        "rows without identity keys sent as they are (captured nowhere) (#22)",
+        "trio_gym/runners/agents.py",
+        "        row = numbered(example, context.position)",
+        "        row = dict(example)",
+        (
+            "tests/test_agents.py::test_records_carry_what_gyms_collection_stamps_and_nothing_invented",
+            "tests/test_records.py::test_every_record_is_finished_after_its_captures_were_cleared_before_its_run",
+            "tests/test_gym_real.py::test_rows_without_identity_keys_are_numbered_by_their_place_and_captured",
+        ),
+    ),
+    Mutation(
+        "every chunk numbered from 0 (chunks of one input share capture keys) (#22)",
+        "trio_gym/trainer/client.py",
+        "                        row_offset=index * self.settings.chunk_size,",
+        "                        row_offset=0,",
+        (
+            "tests/test_records.py::test_chunks_of_one_input_are_numbered_by_their_place_in_it_on_every_host",
+        ),
+        also=(("trio_gym/trainer/pool.py", "row_offset=index * batch.size,", "row_offset=0,"),),
+    ),
+    Mutation(
+        "the host ignores the request's row_offset (#22)",
+        "trio_gym/host/batch.py",
+        "        position=row_offset + episode.index,",
+        "        position=episode.index,",
+        (
+            "tests/test_records.py::test_every_record_is_finished_after_its_captures_were_cleared_before_its_run",
+            "tests/test_gym_real.py::test_rows_without_identity_keys_are_numbered_by_their_place_and_captured",
+        ),
+    ),
+    Mutation(
+        "with the control plane on, Gym sees a row without the rollout id it is known by (#22)",
+        "trio_gym/host/batch.py",
+        "    if identity is not None and rollout_id_of(example) is None:",
+        "    if False:",
+        (
+            "tests/test_records.py::test_with_the_control_plane_on_a_row_reaches_gym_with_the_rollout_id_it_is_known_by",
+        ),
+    ),
+    Mutation(
+        "failure records asked for, the batch failed as a whole instead (#22)",
+        "trio_gym/host/rollouts.py",
+        '    failed = failed_in_place if request.failures == "records" else None',
+        "    failed = None",
+        (
+            "tests/test_records.py::test_failure_records_in_place_keep_every_other_result",
+            "tests/test_run_command.py::test_a_failed_example_costs_its_chunk_mates_nothing_and_lands_beside_the_results",
+        ),
+    ),
+    Mutation(
+        "a sidecar row without its failure record (#22)",
+        "trio_gym/host/rows.py",
+        "        rows_in.send_nowait((sidecar_line(index, error, failure.record), False, ()))",
+        "        rows_in.send_nowait((sidecar_line(index, error), False, ()))",
+        (
+            "tests/test_agents.py::test_an_agent_error_fails_its_example_with_the_status_and_an_excerpt",
+            "tests/test_records.py::test_a_record_gyms_finalizer_cannot_finish_fails_its_row_naming_why",
+        ),
+    ),
+    Mutation(
+        "a gateway's answer read as a rollout that ran (#22)",
+        "trio_gym/runners/records.py",
+        "    ran = error.status is not None and error.status not in GATEWAY_STATUSES",
+        "    ran = error.status is not None",
+        (
+            "tests/test_agents.py::test_a_failed_run_is_the_failure_record_gyms_collection_writes_for_it",
+        ),
+    ),
+    Mutation(
+        "a finalizer call left unbounded (#22)",
+        "trio_gym/runners/finalize.py",
+        "        with trio.move_on_after(self.call_timeout_s):\n            while self._worker is None",
+        "        with trio.move_on_after(math.inf):\n            while self._worker is None",
+        (
+            "tests/test_finalize.py::test_a_worker_that_does_not_answer_in_time_fails_the_call_and_is_replaced",
+        ),
+        also=(
+            (
+                "trio_gym/runners/finalize.py",
+                "import contextlib\n",
+                "import contextlib\nimport math\n",
+            ),
+        ),
+    ),
+    Mutation(
+        "a finalizer that dies is not started again (#22)",
+        "trio_gym/runners/finalize.py",
+        "            task_status = trio.TASK_STATUS_IGNORED\n            lived",
+        "            return\n            lived",
+        (
+            "tests/test_finalize.py::test_a_worker_that_dies_fails_exactly_its_calls_in_flight_naming_its_end",
+            "tests/test_gym_real.py::test_the_finalizer_killed_mid_batch_fails_only_the_rows_it_was_finishing",
+        ),
+    ),
+    Mutation(
+        "a dead finalizer's calls in flight left to wait out their bound (#22)",
+        "trio_gym/runners/finalize.py",
+        "            if not call.done.is_set():\n                call.failure = self.ended",
+        "            if False:\n                call.failure = self.ended",
+        (
+            "tests/test_finalize.py::test_a_worker_that_dies_fails_exactly_its_calls_in_flight_naming_its_end",
+        ),
+    ),
+    Mutation(
+        "an answer for a cancelled call crashes the finalizer (#22)",
+        "trio_gym/runners/finalize.py",
+        "        call = self.calls.get(number)",
+        "        call = self.calls[number]",
+        ("tests/test_finalize.py::test_stray_lines_on_the_answer_channel_are_logged_and_skipped",),
+    ),
+    Mutation(
+        "one rollout id run twice at once while its captures are kept (#22)",
+        "trio_gym/runners/agents.py",
+        "        if key in self._capturing:",
+        "        if False:",
+        (
+            "tests/test_records.py::test_one_rollout_id_runs_once_at_a_time_while_its_captures_are_kept",
+        ),
+    ),
+    Mutation(
+        "Gym's capture switches not read: nothing is finalized (#22)",
+        "trio_gym/runners/finalize.py",
+        "    if config.get(OBSERVABILITY_KEY) is True:",
+        "    if False:",
+        (
+            "tests/test_finalize.py::test_finalization_follows_gyms_own_switches",
+            "tests/test_records.py::test_every_record_is_finished_after_its_captures_were_cleared_before_its_run",
+        ),
+    ),
+    Mutation(
+        "a host that cannot finalize says nothing in /health (#22)",
+        "trio_gym/host/state.py",
+        "            if self.health_notes:",
+        "            if False:",
+        (
+            "tests/test_records.py::test_an_agents_host_that_cannot_finalize_says_so_once_and_in_its_health",
+        ),
+    ),
+    Mutation(
+        "the gym runner serves unfinished records when it cannot finalize (#22)",
+        "trio_gym/runners/agents.py",
+        "            if self.settings.finalize_required:",
+        "            if False:",
+        ("tests/test_records.py::test_a_gym_runner_that_cannot_finalize_does_not_start",),
+    ),
+    Mutation(
+        "token capture not finalized (a token-less sample unmasked) (#22)",
+        "trio_gym/runners/finalize_worker.py",
+        '        if not no_result and gym["token_id_capture_enabled_for_agent"](',
+        '        if False and gym["token_id_capture_enabled_for_agent"](',
+        (
+            "tests/test_gym_real.py::test_records_equal_gyms_own_collection_key_for_key_through_both_runners",
+        ),
+    ),
+    Mutation(
+        "capture folders of another machine used here (every record read as uncaptured) (#22)",
+        "trio_gym/runners/finalize_worker.py",
+        "    if not path.is_dir():",
+        "    if False:",
+        (
+            "tests/test_gym_real.py::test_an_agents_host_whose_capture_folders_are_elsewhere_says_records_are_not_finalized",
+        ),
+    ),
+    Mutation(
+        "trio-gym run writes no results when an example failed (#22)",
+        "trio_gym/trainer/batch_file.py",
+        "    write_results(results, out)\n    sidecar = ",
+        "    if not failures:\n        write_results(results, out)\n    sidecar = ",
+        (
+            "tests/test_run_command.py::test_a_failed_example_costs_its_chunk_mates_nothing_and_lands_beside_the_results",
+            "tests/test_run_command.py::test_the_failure_record_of_a_failed_example_is_the_hosts",
+        ),
+    ),
+    Mutation(
+        "an earlier run's failure records left beside a clean run's results (#22)",
+        "trio_gym/trainer/batch_file.py",
+        "        sidecar.unlink(missing_ok=True)",
+        "        pass",
+        (
+            "tests/test_run_command.py::test_a_failed_example_costs_its_chunk_mates_nothing_and_lands_beside_the_results",
+        ),
     ),
 ]
 

@@ -91,6 +91,10 @@ class FakeWorkerProcess:
                     answering.start_soon(self._answer, behaviour, request)
             answering.cancel_scope.cancel()
 
+    async def say(self, line: bytes) -> None:
+        """Write ``line`` on the answers channel, as a worker's stray print would."""
+        await self._answers.send_all(line)
+
     async def _answer(self, behaviour: Behaviour, request: dict[str, Any]) -> None:
         try:
             answer = await behaviour(self.number, request)

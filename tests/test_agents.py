@@ -531,6 +531,31 @@ async def test_a_gym_failure_record_is_a_failed_row_not_a_result() -> None:
     assert len(servers["a"].requests) == 3 + 1  # three tries of the failing row, one of the other
 
 
+@pytest.mark.parametrize(
+    ("fake", "failure_class", "status"),
+    [
+        ({"status": 500}, "agent_run_error", 500),  # a Gym server answered: it ran, and broke
+        ({"status": 503}, "agent_request_failed", 503),  # a gateway's: nothing known of it
+        ({"status": 429}, "agent_request_failed", 429),
+        ({"drop": True}, "agent_request_failed", None),  # no answer at all
+        ({"cut": True}, "agent_run_error", 200),  # the body died after its head
+    ],
+)
+async def test_a_failed_run_is_the_failure_record_gyms_collection_writes_for_it(
+    fake: dict[str, Any], failure_class: str, status: int | None
+) -> None:
+    async with agents("a") as servers:
+        urls = {"a": f"http://127.0.0.1:{servers['a'].port}"}
+        async with agents_host(agents=urls) as (host, port):
+            batch = {"examples": [example("a", **fake)], "failures": "records"}
+            reply = await tcp_exchange(port, request_bytes(batch))
+    (record,) = reply.json()["results"]
+    assert record["_ng_failure_class"] == failure_class
+    assert record["_ng_failure_http_status"] == status
+    assert record["agent_ref"] == {"name": "a"} and record["_ng_task_index"] == 0
+    assert len(servers["a"].requests) == 1  # it reached the server: never sent twice
+
+
 # --- a deployment that is not up yet -----------------------------------------------------------
 
 

@@ -63,7 +63,10 @@ async def test_a_worker_that_does_not_answer_in_time_fails_the_call_and_is_repla
         records = finalizer(workers, call_timeout_s=30.0)
         await nursery.start(records.run)
         started = trio.current_time()
-        with pytest.raises(FinalizeFailed, match=r"did not answer within 30 s") as failed:
+        with (
+            trio.fail_after(300),  # a call left unbounded fails here, rather than never
+            pytest.raises(FinalizeFailed, match=r"did not answer within 30 s") as failed,
+        ):
             await records.finish(ROW, RECORD, None)
         waited = trio.current_time() - started
         again = await records.finish(ROW, RECORD, None)
@@ -90,12 +93,14 @@ async def test_a_worker_that_dies_fails_exactly_its_calls_in_flight_naming_its_e
         return await default_behaviour(worker, request)
 
     failures: list[str] = []
+    failed_at: list[float] = []
 
     async def finish_expecting_failure() -> None:
         try:
             await records.finish(ROW, RECORD, None)
         except FinalizeFailed as exc:
             failures.append(str(exc))
+            failed_at.append(trio.current_time())
 
     async with trio.open_nursery() as nursery:
         workers = FakeWorkers(nursery, die_with_two_finishes_in_flight)
@@ -107,6 +112,7 @@ async def test_a_worker_that_dies_fails_exactly_its_calls_in_flight_naming_its_e
         later = await records.finish(ROW, RECORD, None)
         nursery.cancel_scope.cancel()
     assert arrived.is_set() and len(failures) == 2
+    assert failed_at == [0.0, 0.0]  # at its death, not at their bound
     for failure in failures:
         assert "Gym's finalizer exited with status 1" in failure
         assert "Traceback: MemoryError" in failure  # the end of its output names the cause
@@ -130,6 +136,26 @@ async def test_a_refusal_fails_that_call_naming_it_and_the_worker_goes_on(
         fine = await records.finish(ROW, RECORD, None)
         nursery.cancel_scope.cancel()
     assert fine.record["finished_by"] == 1 and len(workers.started) == 1
+
+
+async def test_stray_lines_on_the_answer_channel_are_logged_and_skipped(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def stray_first(worker: int, request: dict[str, Any]) -> Any:
+        if request["op"] == "finish":
+            for line in (b"Loading nemo_gym...\n", b'{"id": [1]}\n', b"[2]\n", b'{"id": 999}\n'):
+                await workers.started[0].say(line)
+        return await default_behaviour(worker, request)
+
+    async with trio.open_nursery() as nursery:
+        workers = FakeWorkers(nursery, stray_first)
+        records = finalizer(workers)
+        await nursery.start(records.run)
+        finished = await records.finish(ROW, RECORD, None)
+        nursery.cancel_scope.cancel()
+    assert finished.record["finished_by"] == 1 and len(workers.started) == 1
+    strays = [r for r in caplog.records if r.getMessage() == "finalizer_stray_line"]
+    assert len(strays) == 3  # an answer for a call that is gone (cancelled) is no stray
 
 
 async def test_a_record_that_is_not_json_is_refused_before_it_is_sent(

@@ -13,14 +13,17 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from tests.fake_finalizer import FakeWorkers, default_behaviour
 from tests.fake_gym import FakeAgentServer, FakeHeadServer, agent_instance
 from tests.helpers import read_reply, request_bytes, running_host, tcp_exchange
+from tests.streams import socket_like_pair
 from trio_gym.config import ServeConfig
-from trio_gym.host import Host
+from trio_gym.host import Host, handle_connection
 from trio_gym.runners import AgentSettings, AgentsRunner
 from trio_gym.runners.gym import GymStartFailed
+from trio_gym.trainer import ClientSettings, HostHandle, HostPool, RolloutClient
 
 HANG_GUARD_S = 30
 ROWS = [("Accept", "application/x-ndjson")]
@@ -40,7 +43,7 @@ class Rig:
 
 
 @asynccontextmanager
-async def finalizing_host(behaviour: Any = default_behaviour) -> AsyncIterator[Rig]:
+async def finalizing_host(behaviour: Any = default_behaviour, **config: Any) -> AsyncIterator[Rig]:
     """A host whose agents runner finalizes with fake workers, against a fake Gym deployment
     whose config switches capture on."""
     agent = FakeAgentServer("weather")
@@ -53,7 +56,7 @@ async def finalizing_host(behaviour: Any = default_behaviour) -> AsyncIterator[R
         runner = AgentsRunner(settings, finalizer_worker=workers.start)
         async with trio.open_nursery() as services:  # as the host's services nursery runs it
             await services.start(runner.serve)
-            async with running_host(runner=runner) as (host, port):
+            async with running_host(runner=runner, **config) as (host, port):
                 yield Rig(host, port, agent, workers)
             services.cancel_scope.cancel()
         nursery.cancel_scope.cancel()
@@ -101,6 +104,46 @@ async def test_a_snapshot_is_retired_once_its_row_is_written_and_never_when_unde
         retired = len(rig.ops("retire"))
     assert retired == 1  # only the row that reached its caller
     assert len(rig.ops("finish")) == 2  # a cancelled example is never finalized
+
+
+async def test_a_row_whose_line_never_reaches_its_caller_keeps_its_snapshot(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    agent = FakeAgentServer("weather")
+    head = FakeHeadServer({"weather": agent_instance(1), **CAPTURING})
+    async with trio.open_nursery() as nursery:
+
+        async def open_stream(endpoint: Any) -> trio.abc.Stream:  # the head on 2, the agent on 1
+            client, server = trio.testing.memory_stream_pair()
+            nursery.start_soon((head if endpoint.port == 2 else agent).handle, server)
+            return client
+
+        workers = FakeWorkers(nursery)
+        settings = AgentSettings(agents={}, head_server="http://head:2")
+        runner = AgentsRunner(settings, opener=open_stream, finalizer_worker=workers.start)
+        await nursery.start(runner.serve)
+        host = Host(ServeConfig(port=0, send_timeout_s=30), runner=runner)
+        # A caller that reads nothing: the head fits in what the connection buffers, the row's
+        # line does not.
+        caller, served = socket_like_pair(capacity=200)
+        nursery.start_soon(handle_connection, host, served)
+        with trio.fail_after(600):
+            await caller.send_all(request_bytes({"examples": [row(delay_s=1)]}, headers=ROWS))
+            await workers.wait_for("finish", 1)
+            await trio.sleep(60)  # past send_timeout_s: the host has given the caller up
+        nursery.cancel_scope.cancel()
+    assert host.stats.connections_open == 0  # given up, its batch abandoned
+    assert workers.requests("retire") == []  # its line never left: nothing retired
+
+
+async def test_a_document_that_fails_as_a_whole_retires_none_of_its_finished_records() -> None:
+    async with finalizing_host() as rig:
+        batch = {"examples": [row(), row(status=500, delay_s=0.2)]}
+        with trio.fail_after(HANG_GUARD_S):
+            reply = await tcp_exchange(rig.port, request_bytes(batch))
+    assert reply.json()["error"]["code"] == "internal"
+    assert len(rig.ops("finish")) == 2  # the first was finished (and so was the failure)
+    assert rig.ops("retire") == []  # but never delivered: its results were not the answer
 
 
 async def test_a_record_gyms_finalizer_cannot_finish_fails_its_row_naming_why() -> None:
@@ -216,3 +259,30 @@ async def test_without_capture_in_gyms_config_nothing_is_finalized() -> None:
         nursery.cancel_scope.cancel()
     assert "finished_by" not in reply.json()["results"][0]
     assert workers.started == [] and runner.finalizer is None
+
+
+async def test_chunks_of_one_input_are_numbered_by_their_place_in_it_on_every_host() -> None:
+    async with finalizing_host() as rig:
+        url = f"http://127.0.0.1:{rig.port}"
+        settings = ClientSettings(chunk_size=2, failures="records")
+        with trio.fail_after(HANG_GUARD_S):
+            alone = await RolloutClient(url, settings).outcomes([row() for _ in range(5)])
+            hosts = [HostHandle("a", url), HostHandle("b", url)]
+            async with HostPool(hosts, client_settings=settings) as pool:
+                pooled = await pool.outcomes([row() for _ in range(5)])
+    for results in (alone, pooled):
+        assert [r["_ng_task_index"] for r in results] == [0, 1, 2, 3, 4]
+        assert all(result["finished_by"] == 1 for result in results)
+
+
+async def test_with_the_control_plane_on_a_row_reaches_gym_with_the_rollout_id_it_is_known_by() -> (
+    None
+):
+    async with finalizing_host(control_token="secret") as rig:
+        with trio.fail_after(HANG_GUARD_S):
+            reply = await tcp_exchange(rig.port, request_bytes({"examples": [row()]}))
+    (result,) = reply.json()["results"]
+    (prepared,) = rig.ops("prepare")
+    (sent,) = rig.agent.requests
+    # The host's episode and Gym's captures share one id: the one the result carries.
+    assert prepared["row"]["_ng_rollout_id"] == sent["_ng_rollout_id"] == result["_ng_rollout_id"]

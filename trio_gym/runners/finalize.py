@@ -198,14 +198,17 @@ class _Worker:
     def _answer(self, line: bytes) -> None:
         try:
             answer = json.loads(line)
-            call = self.calls[answer["id"]]
-        except (ValueError, KeyError, TypeError):
-            log_event(
-                "finalizer_stray_line", level=logging.WARNING, line=line[:200].decode("replace")
-            )
+        except (ValueError, RecursionError):
+            answer = None
+        number = answer.get("id") if isinstance(answer, dict) else None
+        if not isinstance(number, int):
+            text = line[:200].decode("utf-8", "replace")
+            log_event("finalizer_stray_line", level=logging.WARNING, line=text)
             return
-        call.answer = answer
-        call.done.set()
+        call = self.calls.get(number)
+        if call is not None:  # else its caller was cancelled meanwhile
+            call.answer = answer
+            call.done.set()
 
     def end(self, why: str) -> None:
         """The worker is gone: every call it was given fails, naming why (the first why)."""

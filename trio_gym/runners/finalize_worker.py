@@ -3,9 +3,9 @@
     python -P .../trio_gym/runners/finalize_worker.py
 
 Run by its file, by the Gym Python (nemo-gym needs Python 3.13; the host may run on another):
-it imports nothing of trio_gym, only nemo_gym and the standard library. Its owner is the host
-(:mod:`trio_gym.runners.finalize`); they speak JSON lines, one request on standard input, one
-answer on standard output, in order:
+it imports nothing of trio_gym: only nemo_gym, what nemo_gym depends on, and the standard
+library. Its owner is the host (:mod:`trio_gym.runners.finalize`); they speak JSON lines, one
+request on standard input, one answer on standard output, in order:
 
 - ``{"id": N, "op": "configure", "config": {Gym's global config}}`` first. The answer says what
   Gym's config switches on (``{"id": N, "ok": true, "finalizes": [...]}``), or why this process
@@ -33,11 +33,14 @@ the original. The worker ends at end-of-file on standard input: its owner closed
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import os
 import sys
 from pathlib import Path
 from typing import Any
+
+# Gym's own JSON (nemo-gym depends on it), what its collection writes records with.
+import orjson
 
 # What this worker calls of Gym, by module: looked up once, at configure, so a Gym that lacks
 # one (another version) is one clear refusal rather than a failure on every record.
@@ -157,15 +160,19 @@ class Finalizer:
             parts.append("token_id_capture")
         return parts
 
-    def _agent_of(self, row: dict[str, Any]) -> Any:
-        return self.gym["RolloutCollectionHelper"]._agent_name_for_row(row, self.config)
+    def _tokens_captured(self, row: dict[str, Any]) -> bool:
+        """Whether the row's agent takes part in token-ID capture (Gym's rule, by agent)."""
+        agent = self.gym["RolloutCollectionHelper"]._agent_name_for_row(row, self.config)
+        return self._captures_tokens_of(agent)
+
+    @functools.cache  # noqa: B019 - one config per worker; Gym validates the whole config per call
+    def _captures_tokens_of(self, agent: Any) -> bool:
+        return bool(self.gym["token_id_capture_enabled_for_agent"](self.config, agent))
 
     def prepare(self, row: dict[str, Any]) -> dict[str, Any]:
         gym = self.gym
         gym["clear_model_call_captures_for_rollouts"]([row], self.capture_dirs)
-        if self.token_dirs and gym["token_id_capture_enabled_for_agent"](
-            self.config, self._agent_of(row)
-        ):
+        if self.token_dirs and self._tokens_captured(row):
             gym["clear_token_captures_for_rollouts"]([row], self.token_dirs)
         return {}
 
@@ -195,9 +202,7 @@ class Finalizer:
             record, observability_enabled=self.observability, rollout_latency_ms=latency_ms
         )
         retire = None
-        if not no_result and gym["token_id_capture_enabled_for_agent"](
-            self.config, self._agent_of(row)
-        ):
+        if not no_result and self._tokens_captured(row):
             build = await gym["finalize_rollout_token_capture"](record, self.token_source)
             rollout_id = gym["maybe_rollout_id_from_run_body"](record)
             if rollout_id is not None and gym["capture_build_can_retire"](build):
@@ -242,7 +247,7 @@ def main() -> None:
     for line in sys.stdin.buffer:
         request: Any = None
         try:
-            request = json.loads(line)
+            request = orjson.loads(line)
             if request.get("op") == "configure" and finalizer is None:
                 finalizer = Finalizer(request["config"])
                 reply: dict[str, Any] = {"finalizes": finalizer.finalizes()}
@@ -256,7 +261,12 @@ def main() -> None:
                 "ok": False,
                 "error": str(exc) if known else f"{type(exc).__name__}: {exc}",
             }
-        channel.write(json.dumps(reply, allow_nan=False).encode() + b"\n")
+        try:
+            written = orjson.dumps(reply)
+        except (TypeError, ValueError) as exc:  # a record Gym's JSON cannot write
+            error = f"{type(exc).__name__}: {exc}"
+            written = orjson.dumps({"id": reply["id"], "ok": False, "error": error})
+        channel.write(written + b"\n")
         channel.flush()
     if finalizer is not None and finalizer.token_source is not None:
         loop.run_until_complete(finalizer.token_source.close())
