@@ -2105,8 +2105,8 @@ MUTATIONS = [
     Mutation(
         "token capture not finalized (a token-less sample unmasked) (#22)",
         "trio_gym/runners/finalize_worker.py",
-        '        if not no_result and gym["token_id_capture_enabled_for_agent"](',
-        '        if False and gym["token_id_capture_enabled_for_agent"](',
+        "        if not no_result and self._tokens_captured(row):",
+        "        if False:",
         (
             "tests/test_gym_real.py::test_records_equal_gyms_own_collection_key_for_key_through_both_runners",
         ),

@@ -101,9 +101,6 @@ class WorkerProcess(Protocol):
     stdout: trio.abc.ReceiveStream | None
     stderr: trio.abc.ReceiveStream | None
 
-    @property
-    def returncode(self) -> int | None: ...
-
     async def wait(self) -> int: ...
 
     def kill(self) -> None: ...
