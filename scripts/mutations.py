@@ -1380,8 +1380,8 @@ MUTATIONS = [
     Mutation(
         "a record Gym marks failed taken as a result (#13)",
         "trio_gym/runners/agents.py",
-        "                failure = record.get(FAILURE_CLASS_KEY) if isinstance(record, dict) else None",
-        "                failure = None",
+        "            failure = record.get(FAILURE_CLASS_KEY) if isinstance(record, dict) else None",
+        "            failure = None",
         (
             "tests/test_agents.py::test_a_gym_failure_record_is_a_failed_row_not_a_result",
             "tests/test_agents.py::test_a_failed_rollout_is_tried_again_counting_attempts_then_succeeds",
@@ -1399,8 +1399,8 @@ MUTATIONS = [
     Mutation(
         "a failed rollout's next try not counted in _ng_attempt_index (#13)",
         "trio_gym/runners/agents.py",
-        "                row = {**row, ATTEMPT_KEY: first + tries}",
-        "                row = dict(row)",
+        "            row = {**row, ATTEMPT_KEY: first + tries}",
+        "            row = dict(row)",
         (
             "tests/test_agents.py::test_a_failed_rollout_is_tried_again_counting_attempts_then_succeeds",
         ),
@@ -1902,8 +1902,8 @@ MUTATIONS = [
     Mutation(
         "records passed on unfinished: Gym's finalization skipped (#22)",
         "trio_gym/runners/agents.py",
-        "        if self.finalizer is None or not isinstance(record, dict):",
-        "        if True:",
+        "        if self.finalizer is None:\n            return record, None",
+        "        if True:\n            return record, None",
         (
             "tests/test_records.py::test_every_record_is_finished_after_its_captures_were_cleared_before_its_run",
             "tests/test_gym_real.py::test_records_equal_gyms_own_collection_key_for_key_through_both_runners",
@@ -1912,8 +1912,8 @@ MUTATIONS = [
     Mutation(
         "old captures not cleared before a row's /run (#22)",
         "trio_gym/runners/agents.py",
-        "            await self.finalizer.prepare(gym_row)",
-        "            pass",
+        "                await self.finalizer.prepare(gym_row)",
+        "                pass",
         (
             "tests/test_records.py::test_every_record_is_finished_after_its_captures_were_cleared_before_its_run",
             "tests/test_gym_real.py::test_a_second_run_of_the_same_ids_does_not_double_a_capture",
@@ -1922,8 +1922,8 @@ MUTATIONS = [
     Mutation(
         "a token snapshot retired as soon as its record is finished, delivered or not (#22)",
         "trio_gym/runners/agents.py",
-        "                        context.when_delivered(partial(self._retire, self.finalizer, retirement))",
-        "                        await self._retire(self.finalizer, retirement)",
+        "                    context.when_delivered(partial(self.finalizer.retire, retirement))",
+        "                    self.finalizer.retire(retirement)",
         (
             "tests/test_records.py::test_a_snapshot_is_retired_once_its_row_is_written_and_never_when_undelivered",
             "tests/test_gym_real.py::test_a_token_snapshot_is_retired_once_its_record_is_delivered_and_not_before",
@@ -1932,8 +1932,8 @@ MUTATIONS = [
     Mutation(
         "a row's deliveries run before its line is written (#22)",
         "trio_gym/host/rows.py",
-        '            await body.send(line)\n            counts["completed" if ok else "failed"] += 1\n            await deliver(deliveries)',
-        '            await deliver(deliveries)\n            await body.send(line)\n            counts["completed" if ok else "failed"] += 1',
+        '            await body.send(line)\n            counts["completed" if ok else "failed"] += 1\n            deliver(deliveries)',
+        '            deliver(deliveries)\n            await body.send(line)\n            counts["completed" if ok else "failed"] += 1',
         (
             "tests/test_records.py::test_a_snapshot_is_retired_once_its_row_is_written_and_never_when_undelivered",
             "tests/test_records.py::test_a_row_whose_line_never_reaches_its_caller_keeps_its_snapshot",
@@ -1942,8 +1942,8 @@ MUTATIONS = [
     Mutation(
         "a document's deliveries run whether or not it was answered with its results (#22)",
         "trio_gym/host/rollouts.py",
-        "    if answer.error is None:\n        await deliver(deliveries)",
-        "    await deliver(deliveries)",
+        "    if answer.error is None:\n        deliver(deliveries)",
+        "    pass",
         (
             "tests/test_records.py::test_a_snapshot_is_retired_once_its_row_is_written_and_never_when_undelivered",
             "tests/test_records.py::test_a_document_that_fails_as_a_whole_retires_none_of_its_finished_records",
@@ -1952,7 +1952,7 @@ MUTATIONS = [
             (
                 "trio_gym/host/rollouts.py",
                 "    if body is None:\n        await send_body(",
-                "    await deliver(deliveries)\n    if body is None:\n        await send_body(",
+                "    deliver(deliveries)\n    if body is None:\n        await send_body(",
             ),
         ),
     ),
@@ -2009,7 +2009,7 @@ MUTATIONS = [
     Mutation(
         "a sidecar row without its failure record (#22)",
         "trio_gym/host/rows.py",
-        "        rows_in.send_nowait((sidecar_line(index, error, failure.record), False, ()))",
+        "        rows_in.send_nowait((sidecar_line(index, error, failure.record, limit), False, ()))",
         "        rows_in.send_nowait((sidecar_line(index, error), False, ()))",
         (
             "tests/test_agents.py::test_an_agent_error_fails_its_example_with_the_status_and_an_excerpt",
@@ -2028,24 +2028,17 @@ MUTATIONS = [
     Mutation(
         "a finalizer call left unbounded (#22)",
         "trio_gym/runners/finalize.py",
-        "        with trio.move_on_after(self.call_timeout_s):\n            while self._worker is None",
-        "        with trio.move_on_after(math.inf):\n            while self._worker is None",
+        "            with trio.move_on_after(bound_s):",
+        "            with trio.move_on_after(math.inf):",
         (
             "tests/test_finalize.py::test_a_worker_that_does_not_answer_in_time_fails_the_call_and_is_replaced",
-        ),
-        also=(
-            (
-                "trio_gym/runners/finalize.py",
-                "import contextlib\n",
-                "import contextlib\nimport math\n",
-            ),
         ),
     ),
     Mutation(
         "a finalizer that dies is not started again (#22)",
         "trio_gym/runners/finalize.py",
-        "            task_status = trio.TASK_STATUS_IGNORED\n            lived",
-        "            return\n            lived",
+        "            else:\n                await self._keep_starting()",
+        "            else:\n                await trio.sleep_forever()",
         (
             "tests/test_finalize.py::test_a_worker_that_dies_fails_exactly_its_calls_in_flight_naming_its_end",
             "tests/test_gym_real.py::test_the_finalizer_killed_mid_batch_fails_only_the_rows_it_was_finishing",
@@ -2063,8 +2056,8 @@ MUTATIONS = [
     Mutation(
         "an answer for a cancelled call crashes the finalizer (#22)",
         "trio_gym/runners/finalize.py",
-        "        call = self.calls.get(number)",
-        "        call = self.calls[number]",
+        "        call = self.calls.get(number)\n        if call is not None:  # else its caller was cancelled meanwhile",
+        "        call = self.calls[number]\n        if call is not None:  # else its caller was cancelled meanwhile",
         ("tests/test_finalize.py::test_stray_lines_on_the_answer_channel_are_logged_and_skipped",),
     ),
     Mutation(
@@ -2137,6 +2130,49 @@ MUTATIONS = [
         "        pass",
         (
             "tests/test_run_command.py::test_a_failed_example_costs_its_chunk_mates_nothing_and_lands_beside_the_results",
+        ),
+    ),
+    Mutation(
+        "callers write their own requests (a cancelled one cuts a line in half) (#22)",
+        "trio_gym/runners/finalize.py",
+        "            self._to_write.send_nowait(number)\n",
+        "            await self.process.stdin.send_all(line)  # type: ignore[union-attr]\n",
+        (
+            "tests/test_finalize.py::test_a_caller_cancelled_while_its_request_is_written_cuts_no_line",
+        ),
+    ),
+    Mutation(
+        "each finalizer call bounded by itself (a long queue behind a working worker fails) (#22)",
+        "trio_gym/runners/finalize.py",
+        "        assert worker is not None\n        return await worker.call(op, fields)",
+        "        assert worker is not None\n        with trio.fail_after(self.call_timeout_s):\n            return await worker.call(op, fields)",
+        ("tests/test_finalize.py::test_a_long_queue_behind_a_working_finalizer_is_no_failure",),
+    ),
+    Mutation(
+        "a killed finalizer waited for however long it takes (a stop that never ends) (#22)",
+        "trio_gym/runners/finalize.py",
+        "        with trio.move_on_after(STOP_GRACE_S):\n            await process.wait()\n            return\n        log_event(",
+        "        with trio.move_on_after(math.inf):\n            await process.wait()\n            return\n        log_event(",
+        (
+            "tests/test_finalize.py::test_a_worker_that_will_not_die_holds_up_the_hosts_stop_for_a_bounded_time",
+        ),
+    ),
+    Mutation(
+        "a failed /run's failure record lost when Gym cannot finish it (#22)",
+        "trio_gym/runners/agents.py",
+        "                except FinalizeFailed as unfinished:  # the failure is the /run's, still",
+        "                except ZeroDivisionError as unfinished:",
+        (
+            "tests/test_records.py::test_a_failed_run_keeps_its_failure_record_when_gym_cannot_finish_it",
+        ),
+    ),
+    Mutation(
+        "one rollout id held for all its tries (a next try refused beside the first) (#22)",
+        "trio_gym/runners/agents.py",
+        "        key = capture_key_of(row)",
+        "        key = capture_key_of({**row, ATTEMPT_KEY: 0})",
+        (
+            "tests/test_records.py::test_one_rollout_id_runs_once_at_a_time_while_its_captures_are_kept",
         ),
     ),
 ]

@@ -3,10 +3,13 @@ streams, so the finalizer's bounds, restarts and refusals run on a virtual clock
 
 Each started worker is a task of the test's nursery that reads JSON-line requests and answers
 them as its ``behaviour`` says: by default ``configure`` says what it finalizes, ``prepare``
-answers at once, ``finish`` marks the record (``"finished_by": <worker number>``) and offers a
-snapshot to retire, ``retire`` answers. A behaviour returns an answer's fields, ``None`` for no
-answer at all (a worker that hangs), or raises :class:`Die` to exit with a status (after
-printing its last words on standard error).
+answers at once, ``finish`` marks the record (``"finished_by": <worker number>``) and offers its
+snapshot to retire (rollout ``<task>-<rollout>``, snapshot ``s<worker>``), ``retire`` answers. A
+behaviour returns an answer's fields, ``None`` for no answer at all (a worker that hangs), or
+raises :class:`Die` to exit with a status (after printing its last words on standard error).
+With ``serial``, requests are answered one at a time, in order, as the real worker answers them;
+otherwise each at once. Its standard input is a pipe of ``pipe_bytes`` (writes beyond it wait, and
+a write can stop half-way), read only while ``reading`` is set.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from typing import Any
 
 import trio
 import trio.testing
+
+from tests.streams import socket_like_pair
 
 Behaviour = Callable[[int, dict[str, Any]], Awaitable[dict[str, Any] | None]]
 
@@ -35,7 +40,8 @@ async def default_behaviour(worker: int, request: dict[str, Any]) -> dict[str, A
         return {"ok": True, "finalizes": ["model_call_capture"]}
     if op == "finish":
         record = {**request["record"], "finished_by": worker}
-        retire = {"rollout_id": "0-0", "snapshot_id": f"s{worker}", "version": 1}
+        rollout = f"{record.get('_ng_task_index')}-{record.get('_ng_rollout_index')}"
+        retire = {"rollout_id": rollout, "snapshot_id": f"s{worker}", "version": 1}
         return {"ok": True, "record": record, "retire": retire}
     return {"ok": True}
 
@@ -43,14 +49,20 @@ async def default_behaviour(worker: int, request: dict[str, Any]) -> dict[str, A
 class FakeWorkerProcess:
     """One started worker: the streams the finalizer speaks over, and its end."""
 
-    def __init__(self, number: int, noted: Callable[[], None]) -> None:
+    def __init__(
+        self, number: int, noted: Callable[[], None], *, serial: bool, pipe_bytes: float
+    ) -> None:
         self.number = number
         self._noted = noted
-        self.stdin, self._requests = trio.testing.memory_stream_one_way_pair()
+        self._serial = serial
+        self.reading = trio.Event()
+        self.reading.set()
+        self.stdin, self._requests = socket_like_pair(pipe_bytes)
         self._answers, self.stdout = trio.testing.memory_stream_one_way_pair()
         self._errors, self.stderr = trio.testing.memory_stream_one_way_pair()
         self.returncode: int | None = None
         self.stdin_closed = False
+        self._answering = trio.Lock()
         self.requests: list[dict[str, Any]] = []
         self._exited = trio.Event()
 
@@ -59,14 +71,19 @@ class FakeWorkerProcess:
         assert self.returncode is not None
         return self.returncode
 
+    stubborn = False
+    """A process in an uninterruptible wait: it heeds neither end-of-file nor SIGKILL."""
+
     def kill(self) -> None:
-        self._exit(-9)
+        if not self.stubborn:
+            self._exit(-9)
 
     def _exit(self, status: int) -> None:
         if self.returncode is None:
             self.returncode = status
             self._answers.close()
             self._errors.close()
+            self._requests.close()  # as a dead process's pipe: the next write fails
             self._exited.set()
 
     async def serve(self, behaviour: Behaviour) -> None:
@@ -74,26 +91,33 @@ class FakeWorkerProcess:
         buffer = b""
         async with trio.open_nursery() as answering:
             while self.returncode is None:
+                await self.reading.wait()
                 try:
                     data = await self._requests.receive_some(65536)
-                except trio.ClosedResourceError:
+                except (trio.ClosedResourceError, trio.BrokenResourceError):
                     data = b""
                 if not data:
                     self.stdin_closed = True
+                    if self.stubborn:
+                        await trio.sleep_forever()
                     self._exit(0)
                     break
                 buffer += data
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
-                    request = json.loads(line)
+                    request = json.loads(line)  # a line cut short fails the test here
                     self.requests.append(request)
                     self._noted()
-                    answering.start_soon(self._answer, behaviour, request)
+                    if self._serial:
+                        await self._answer(behaviour, request)
+                    else:
+                        answering.start_soon(self._answer, behaviour, request)
             answering.cancel_scope.cancel()
 
     async def say(self, line: bytes) -> None:
         """Write ``line`` on the answers channel, as a worker's stray print would."""
-        await self._answers.send_all(line)
+        async with self._answering:
+            await self._answers.send_all(line)
 
     async def _answer(self, behaviour: Behaviour, request: dict[str, Any]) -> None:
         try:
@@ -106,16 +130,26 @@ class FakeWorkerProcess:
         if answer is None or self.returncode is not None:
             return
         line = json.dumps({"id": request["id"], **answer}).encode() + b"\n"
-        with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
-            await self._answers.send_all(line)
+        async with self._answering:  # one answer written at a time, as from one process
+            with contextlib.suppress(trio.ClosedResourceError, trio.BrokenResourceError):
+                await self._answers.send_all(line)
 
 
 class FakeWorkers:
     """Starts fake workers in ``nursery``, each answering as ``behaviour`` says."""
 
-    def __init__(self, nursery: trio.Nursery, behaviour: Behaviour = default_behaviour) -> None:
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        behaviour: Behaviour = default_behaviour,
+        *,
+        serial: bool = False,
+        pipe_bytes: float = float("inf"),
+    ) -> None:
         self.nursery = nursery
         self.behaviour = behaviour
+        self.serial = serial
+        self.pipe_bytes = pipe_bytes
         self.started: list[FakeWorkerProcess] = []
         self.refuse_start: OSError | None = None
         self._changed = trio.Event()
@@ -124,9 +158,17 @@ class FakeWorkers:
         """Every request of ``op`` the workers were sent, in order."""
         return [r for worker in self.started for r in worker.requests if r["op"] == op]
 
+    def retired(self) -> list[str]:
+        """The rollouts whose snapshots the workers were asked to retire, in order."""
+        return [s["rollout_id"] for r in self.requests("retire") for s in r["retire"]]
+
     async def wait_for(self, op: str, count: int) -> None:
         """Until the workers have been sent ``count`` requests of ``op``."""
         while len(self.requests(op)) < count:
+            await self._changed.wait()
+
+    async def wait_until_retired(self, count: int) -> None:
+        while len(self.retired()) < count:
             await self._changed.wait()
 
     def _note(self) -> None:
@@ -137,7 +179,9 @@ class FakeWorkers:
         await trio.lowlevel.checkpoint()
         if self.refuse_start is not None:
             raise self.refuse_start
-        worker = FakeWorkerProcess(len(self.started) + 1, self._note)
+        worker = FakeWorkerProcess(
+            len(self.started) + 1, self._note, serial=self.serial, pipe_bytes=self.pipe_bytes
+        )
         self.started.append(worker)
         self.nursery.start_soon(worker.serve, self.behaviour)
         return worker

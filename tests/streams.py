@@ -93,7 +93,8 @@ class SocketLikeStream(trio.abc.HalfCloseableStream):
         await trio.lowlevel.cancel_shielded_checkpoint()
         return data
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """Close this end at once (what a process's death does to its pipes)."""
         self._closed = True
         self._out.writer_done = True
         self._in.reader_gone = True
@@ -101,6 +102,9 @@ class SocketLikeStream(trio.abc.HalfCloseableStream):
         for direction in (self._out, self._in):
             direction.readable.unpark_all()
             direction.writable.unpark_all()
+
+    async def aclose(self) -> None:
+        self.close()
         await trio.lowlevel.checkpoint()
 
 

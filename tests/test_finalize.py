@@ -24,6 +24,7 @@ RECORD = {"reward": 1.0, **ROW}
 
 def finalizer(workers: FakeWorkers, **settings: Any) -> RecordFinalizer:
     settings.setdefault("call_timeout_s", 60.0)
+    settings.setdefault("max_line_bytes", 1024 * 1024)
     return RecordFinalizer({"observability_enabled": True}, workers.start, **settings)
 
 
@@ -36,7 +37,8 @@ async def test_a_record_is_finished_by_the_worker_and_its_snapshot_retired_by_it
         async with trio.open_nursery() as nursery:
             await nursery.start(records.run)
             finished = await records.finish(ROW, RECORD, 12.5)
-            await records.retire(finished.retirement or Retirement("", "", 0))
+            records.retire(finished.retirement or Retirement("", "", 0))  # never waited for
+            await workers.wait_until_retired(1)
             nursery.cancel_scope.cancel()  # the host stopping
     assert finished.record == {**RECORD, "finished_by": 1}
     assert finished.retirement == Retirement("0-0", "s1", 1)
@@ -44,7 +46,7 @@ async def test_a_record_is_finished_by_the_worker_and_its_snapshot_retired_by_it
     configure, finish, retire = worker.requests
     assert configure["op"] == "configure" and configure["config"] == {"observability_enabled": True}
     assert (finish["op"], finish["row"], finish["latency_ms"]) == ("finish", ROW, 12.5)
-    assert retire["retire"] == {"rollout_id": "0-0", "snapshot_id": "s1", "version": 1}
+    assert retire["retire"] == [{"rollout_id": "0-0", "snapshot_id": "s1", "version": 1}]
     assert records.finalizes == ["model_call_capture"]
     # Stopped with its owner: its standard input closed, and it exited by itself.
     assert worker.stdin_closed and worker.returncode == 0
@@ -65,7 +67,7 @@ async def test_a_worker_that_does_not_answer_in_time_fails_the_call_and_is_repla
         started = trio.current_time()
         with (
             trio.fail_after(300),  # a call left unbounded fails here, rather than never
-            pytest.raises(FinalizeFailed, match=r"did not answer within 30 s") as failed,
+            pytest.raises(FinalizeFailed, match=r"answered nothing for 30 s") as failed,
         ):
             await records.finish(ROW, RECORD, None)
         waited = trio.current_time() - started
@@ -227,6 +229,68 @@ async def test_a_call_while_no_worker_runs_waits_for_the_next_within_its_bound(
     assert "could not be started again" in message and "No module named 'omegaconf'" in message
     # Tried again and again meanwhile, each pause longer, none longer than the cap.
     assert 4 <= len(workers.started) <= 15
+
+
+async def test_a_long_queue_behind_a_working_finalizer_is_no_failure(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async def twenty_seconds_each(worker: int, request: dict[str, Any]) -> Any:
+        if request["op"] == "finish":
+            await trio.sleep(20)
+        return await default_behaviour(worker, request)
+
+    finished: list[float] = []
+
+    async def finish_one() -> None:
+        await records.finish(ROW, RECORD, None)
+        finished.append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        workers = FakeWorkers(nursery, twenty_seconds_each, serial=True)
+        records = finalizer(workers, call_timeout_s=30.0)
+        await nursery.start(records.run)
+        async with trio.open_nursery() as calls:
+            for _ in range(10):
+                calls.start_soon(finish_one)
+        nursery.cancel_scope.cancel()
+    # Answered one every 20 s: the last waited 200 s, past the bound, and none failed.
+    assert finished == [20.0 * n for n in range(1, 11)]
+    assert len(workers.started) == 1
+
+
+async def test_a_caller_cancelled_while_its_request_is_written_cuts_no_line(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with trio.open_nursery() as nursery:
+        workers = FakeWorkers(nursery, serial=True, pipe_bytes=64)  # a full pipe: writes wait
+        records = finalizer(workers)
+        await nursery.start(records.run)
+        (worker,) = workers.started
+        worker.reading = trio.Event()  # the worker busy: it reads nothing for now
+        with trio.move_on_after(1):
+            await records.finish(ROW, {**RECORD, "response": "x" * 1000}, None)  # cut mid-write
+        worker.reading.set()
+        after = await records.finish(ROW, RECORD, None)
+        nursery.cancel_scope.cancel()
+    assert after.record["finished_by"] == 1  # the lines around it came whole: nothing failed
+    assert [r["op"] for r in worker.requests] == ["configure", "finish", "finish"]
+
+
+async def test_a_worker_that_will_not_die_holds_up_the_hosts_stop_for_a_bounded_time(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with trio.open_nursery() as processes:
+        workers = FakeWorkers(processes)
+        records = finalizer(workers)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(records.run)
+            workers.started[0].stubborn = True
+            stopping = trio.current_time()
+            nursery.cancel_scope.cancel()  # the host stopping
+        stopped = trio.current_time() - stopping
+        processes.cancel_scope.cancel()
+    assert stopped == pytest.approx(10.0)  # its end-of-file grace, then the wait after SIGKILL
+    assert any(r.getMessage() == "finalizer_unkillable" for r in caplog.records)
 
 
 def test_finalization_follows_gyms_own_switches() -> None:

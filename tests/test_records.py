@@ -68,21 +68,31 @@ def lines_of(body: bytes) -> dict[Any, dict[str, Any]]:
 
 
 async def test_every_record_is_finished_after_its_captures_were_cleared_before_its_run() -> None:
-    async with finalizing_host() as rig:
+    sent_before_prepare: dict[int, list[int]] = {}
+
+    async def note_what_ran_before_each_prepare(worker: int, request: dict[str, Any]) -> Any:
+        if request["op"] == "prepare":
+            task = request["row"]["_ng_task_index"]
+            sent_before_prepare[task] = [r["_ng_task_index"] for r in rig.agent.requests]
+        return await default_behaviour(worker, request)
+
+    async with finalizing_host(note_what_ran_before_each_prepare) as rig:
         batch = {"examples": [row(), row()], "row_offset": 10}
         with trio.fail_after(HANG_GUARD_S):
             reply = await tcp_exchange(rig.port, request_bytes(batch))
+            await rig.workers.wait_until_retired(2)
     results = reply.json()["results"]
     assert [r["finished_by"] for r in results] == [1, 1]
     # Numbered from the request's row_offset, as Gym numbers rows by their place in the input.
     assert [(r["_ng_task_index"], r["_ng_rollout_index"]) for r in results] == [(10, 0), (11, 0)]
-    prepared = [r["row"]["_ng_task_index"] for r in rig.ops("prepare")]
-    assert sorted(prepared) == [10, 11]
+    # Each row's captures were cleared before its /run reached Gym, not after.
+    assert sorted(sent_before_prepare) == [10, 11]
+    assert all(task not in before for task, before in sent_before_prepare.items())
     assert sorted(request["_ng_task_index"] for request in rig.agent.requests) == [10, 11]
     finished = rig.ops("finish")
     assert all(f["latency_ms"] is not None and f["latency_ms"] >= 0 for f in finished)
     assert all(f["record"]["agent_ref"] == {"name": "weather"} for f in finished)
-    assert len(rig.ops("retire")) == 2  # both delivered
+    assert sorted(rig.workers.retired()) == ["10-0", "11-0"]  # both delivered
 
 
 async def test_a_snapshot_is_retired_once_its_row_is_written_and_never_when_undelivered() -> None:
@@ -91,19 +101,20 @@ async def test_a_snapshot_is_retired_once_its_row_is_written_and_never_when_unde
         batch = {"examples": [row(), row(hang=True)]}
         with trio.fail_after(HANG_GUARD_S):
             await stream.send_all(request_bytes(batch, headers=ROWS))
-            await rig.workers.wait_for("retire", 1)  # the quick row's line was written
+            await rig.workers.wait_until_retired(1)  # the quick row's line was written
             await stream.aclose()  # the caller leaves before the other's row
             await rig.agent.wait_for(lambda agent: agent.running == 0)
         # A document that is never delivered: its finished record keeps its snapshot.
         stream = await trio.open_tcp_stream("127.0.0.1", rig.port)
+        undelivered = {"examples": [row(), row(hang=True)], "row_offset": 10}
         with trio.fail_after(HANG_GUARD_S):
-            await stream.send_all(request_bytes({"examples": [row(), row(hang=True)]}))
+            await stream.send_all(request_bytes(undelivered))
             await rig.workers.wait_for("finish", 2)  # the quick row of this batch is finished
             await stream.aclose()
             await rig.agent.wait_for(lambda agent: agent.running == 0)
-        retired = len(rig.ops("retire"))
-    assert retired == 1  # only the row that reached its caller
-    assert len(rig.ops("finish")) == 2  # a cancelled example is never finalized
+    assert rig.workers.retired() == ["0-0"]  # only the row that reached its caller
+    finished = [f["row"]["_ng_task_index"] for f in rig.ops("finish")]
+    assert finished == [0, 10]  # a cancelled example is never finalized
 
 
 async def test_a_row_whose_line_never_reaches_its_caller_keeps_its_snapshot(
@@ -133,7 +144,7 @@ async def test_a_row_whose_line_never_reaches_its_caller_keeps_its_snapshot(
             await trio.sleep(60)  # past send_timeout_s: the host has given the caller up
         nursery.cancel_scope.cancel()
     assert host.stats.connections_open == 0  # given up, its batch abandoned
-    assert workers.requests("retire") == []  # its line never left: nothing retired
+    assert workers.retired() == []  # its line never left: nothing retired
 
 
 async def test_a_document_that_fails_as_a_whole_retires_none_of_its_finished_records() -> None:
@@ -143,7 +154,7 @@ async def test_a_document_that_fails_as_a_whole_retires_none_of_its_finished_rec
             reply = await tcp_exchange(rig.port, request_bytes(batch))
     assert reply.json()["error"]["code"] == "internal"
     assert len(rig.ops("finish")) == 2  # the first was finished (and so was the failure)
-    assert rig.ops("retire") == []  # but never delivered: its results were not the answer
+    assert rig.workers.retired() == []  # never delivered: its results were not the answer
 
 
 async def test_a_record_gyms_finalizer_cannot_finish_fails_its_row_naming_why() -> None:
@@ -169,6 +180,22 @@ async def test_a_record_gyms_finalizer_cannot_finish_fails_its_row_naming_why() 
     assert error["code"] == "internal" and "FinalizeFailed" in error["message"]
 
 
+async def test_a_failed_run_keeps_its_failure_record_when_gym_cannot_finish_it() -> None:
+    async def refuse_failures(worker: int, request: dict[str, Any]) -> Any:
+        if request["op"] == "finish" and "_ng_failure_class" in request["record"]:
+            return {"ok": False, "error": "KeyError: 'response'"}
+        return await default_behaviour(worker, request)
+
+    async with finalizing_host(refuse_failures) as rig:
+        batch = {"examples": [row(status=500)], "failures": "records"}
+        with trio.fail_after(HANG_GUARD_S):
+            reply = await tcp_exchange(rig.port, request_bytes(batch))
+    (record,) = reply.json()["results"]
+    # Still the /run's own failure: its class, status and body, not the finalizer's refusal.
+    assert record["_ng_failure_class"] == "agent_run_error"
+    assert record["_ng_failure_http_status"] == 500 and "finished_by" not in record
+
+
 async def test_failure_records_in_place_keep_every_other_result() -> None:
     async with finalizing_host() as rig:
         batch = {"examples": [row(), row(status=500), row()], "failures": "records"}
@@ -192,11 +219,17 @@ async def test_one_rollout_id_runs_once_at_a_time_while_its_captures_are_kept() 
             second = await tcp_exchange(
                 rig.port, request_bytes({"examples": [{**twin, "_fake": {}}]}, headers=ROWS)
             )
+            next_try = {**twin, "_fake": {}, "_ng_attempt_index": 1}  # its own capture key
+            third = await tcp_exchange(
+                rig.port, request_bytes({"examples": [next_try]}, headers=ROWS)
+            )
             await first.aclose()
     message = lines_of(second.body)[0]["error"]["message"]
     assert "rollout 4-0 is already running on this host" in message
-    assert len(rig.agent.requests) == 1  # the second never reached Gym, nor cleared a capture
-    assert len(rig.ops("prepare")) == 1
+    assert lines_of(third.body)[0]["result"]["finished_by"] == 1  # 4-0-a1 runs beside 4-0
+    # The twin never reached Gym, nor cleared a capture: only the first and the next try did.
+    assert [r.get("_ng_attempt_index") for r in rig.agent.requests] == [None, 1]
+    assert len(rig.ops("prepare")) == 2
 
 
 async def test_an_agents_host_that_cannot_finalize_says_so_once_and_in_its_health(

@@ -107,7 +107,7 @@ async def test_a_failed_example_costs_its_chunk_mates_nothing_and_lands_beside_t
     tmp_path: Path,
 ) -> None:
     rows = [{"seed": i, "meetings": 2} for i in range(6)]
-    rows[2] = {"seed": 2, "meetings": 2, "fail_at_step": 1, "_ng_task_index": 2}
+    rows[2] = {"seed": 2, "meetings": 2, "fail_at_step": 1, "_ng_task_index": 42}
     examples = write_examples(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     stale = tmp_path / "out_failures.jsonl"
@@ -126,14 +126,14 @@ async def test_a_failed_example_costs_its_chunk_mates_nothing_and_lands_beside_t
     assert b"1 of 6 examples failed" in done.stderr and b"5 results in" in done.stderr
     # One chunk of six: the five others were not cancelled with it, and keep their order.
     assert written == [0, 1, 3, 4, 5]
-    assert [f["_ng_task_index"] for f in failed] == [2]
+    assert [f["_ng_task_index"] for f in failed] == [42]  # the row's own, carried
     assert host.stats.examples_cancelled == 0
     assert clean.returncode == 0 and not stale.exists()  # no stale sidecar beside clean results
 
 
 async def test_the_failure_record_of_a_failed_example_is_the_hosts(tmp_path: Path) -> None:
     rows = [{"seed": i, "meetings": 2} for i in range(4)]
-    rows[1] = {"seed": 1, "meetings": 2, "fail_at_step": 1, "_ng_task_index": 1}
+    rows[1] = {"seed": 1, "meetings": 2, "fail_at_step": 1}
     examples = write_examples(tmp_path / "in.jsonl", rows)
     out = tmp_path / "out.jsonl"
     async with running_host(runner=CountingRunner()) as (host, port):
@@ -145,7 +145,8 @@ async def test_the_failure_record_of_a_failed_example_is_the_hosts(tmp_path: Pat
     (failure,) = map(json.loads, (tmp_path / "out_failures.jsonl").read_text().splitlines())
     assert failure["_ng_failure_class"] == "runner_error"
     assert failure["_ng_failure_type"] == "EnvironmentFault"
-    assert failure["_ng_task_index"] == 1  # the row's identity, carried
+    # Named by its place in the file, as Gym's collection numbers a row without its keys.
+    assert (failure["_ng_task_index"], failure["_ng_rollout_index"]) == (1, 0)
 
 
 async def test_a_bad_examples_file_exits_2_naming_the_line(tmp_path: Path) -> None:

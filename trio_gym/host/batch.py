@@ -250,10 +250,10 @@ async def run_example(
         failed(episode.index, failure)
 
 
-async def deliver(deliveries: Sequence[Delivery]) -> None:
-    """Run what finished examples registered for after their results reached the caller."""
+def deliver(deliveries: Sequence[Delivery]) -> None:
+    """Tell finished examples that their results reached the caller."""
     for delivery in deliveries:
-        await delivery()
+        delivery()
 
 
 def carry_identity(example: Mapping[str, Any], result: Any, episode: EpisodeId | None) -> Any:
@@ -288,7 +288,8 @@ def failure_record(
     (:class:`~trio_gym.runners.base.RecordedFailure`: Gym's), identity carried; else the
     host's, of ``failure_class``, naming the error (bounded as a headline is) and the row."""
     if isinstance(error, RecordedFailure):
-        return carry_identity(example, dict(error.record), episode)
+        record = {**failure_identity(example, position), **error.record}
+        return carry_identity(example, record, episode)
     record = {
         FAILURE_CLASS_KEY: failure_class,
         FAILURE_TYPE_KEY: type(error).__name__,

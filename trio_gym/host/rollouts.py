@@ -321,4 +321,4 @@ async def _answer_with_document(
         await body.finish(held_back)  # the last run and the end of the body in one write
     batch.advance(BatchState.DONE if answer.error is None else BatchState.FAILED)
     if answer.error is None:
-        await deliver(deliveries)
+        deliver(deliveries)

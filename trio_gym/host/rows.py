@@ -63,15 +63,24 @@ def row_line(index: int, result: Any, max_bytes: int) -> tuple[bytes, bool]:
     return line + b"\n", True
 
 
-def sidecar_line(index: int, error: WireError, record: Any = None) -> bytes:
-    """A failed (or refused) example's line: its error, and its failure record if it ran."""
-    line: dict[str, Any] = {"index": index, **error.envelope()}
-    if record is not None:
-        line[SIDECAR_RECORD_FIELD] = record
+def sidecar_line(
+    index: int, error: WireError, record: Any = None, max_bytes: float = math.inf
+) -> bytes:
+    """A failed (or refused) example's line: its error, and its failure record if it ran —
+    unless the record is not JSON or would make the line longer than ``max_bytes`` (the error
+    says so)."""
+    if record is None:
+        return encode_json({"index": index, **error.envelope()}) + b"\n"
     try:
-        return encode_json(line) + b"\n"
-    except (TypeError, ValueError, RecursionError):
-        return encode_json({"index": index, **error.envelope()}) + b"\n"  # a record not JSON
+        line = encode_json({"index": index, **error.envelope(), SIDECAR_RECORD_FIELD: record})
+    except (TypeError, ValueError, RecursionError) as exc:
+        why = f"; its failure record is not JSON ({exc})"
+    else:
+        if len(line) < max_bytes:
+            return line + b"\n"
+        why = f"; its failure record ({len(line)} bytes) is over max_response_bytes={max_bytes}"
+    noted = WireError(error.code, error.message + why, status=error.status)
+    return encode_json({"index": index, **noted.envelope()}) + b"\n"
 
 
 async def answer_with_rows(
@@ -105,7 +114,7 @@ async def answer_with_rows(
 
     def failed(index: int, failure: ExampleFailed) -> None:
         error = WireError(failure.code, describe_failure(failure))
-        rows_in.send_nowait((sidecar_line(index, error, failure.record), False, ()))
+        rows_in.send_nowait((sidecar_line(index, error, failure.record, limit), False, ()))
 
     episodes = [entry for entry in admitted if isinstance(entry, LiveEpisode)]
     work = partial(run_examples, host, examples, episodes, finished, failed, row_offset)
@@ -114,7 +123,7 @@ async def answer_with_rows(
         async for line, ok, deliveries in rows_out:
             await body.send(line)
             counts["completed" if ok else "failed"] += 1
-            await deliver(deliveries)
+            deliver(deliveries)
 
     async def run_and_close() -> WireError | None:
         with rows_in:

@@ -22,6 +22,17 @@ IDENTITY_KEYS: Final = (TASK_KEY, ROLLOUT_KEY, EXAMPLE_ID_KEY, ROLLOUT_ID_KEY, A
 """The keys a row's result carries from the row when it lacks them."""
 
 
+def numbered(row: Mapping[str, Any], position: int) -> dict[str, Any]:
+    """The row numbered as Gym's collection numbers rows before dispatch: a task index (its
+    ``position`` in the caller's input) and a rollout index (0) where it has none."""
+    row = dict(row)
+    if row.get(TASK_KEY) is None:
+        row[TASK_KEY] = position
+    if row.get(ROLLOUT_KEY) is None:
+        row[ROLLOUT_KEY] = 0
+    return row
+
+
 def capture_key(rollout_id: str, attempt: int) -> str:
     return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
 
@@ -45,6 +56,15 @@ def rollout_id_of(row: Mapping[str, Any]) -> str | None:
     if not isinstance(rollout_id, str) or not rollout_id:
         raise ValueError(f"{ROLLOUT_ID_KEY} must be a non-empty string, not {rollout_id!r}")
     return rollout_id
+
+
+def capture_key_of(row: Mapping[str, Any]) -> str:
+    """The capture key of a row that names its rollout (given or derived); raises
+    ``ValueError`` for one that names none, or identity keys of the wrong type."""
+    rollout_id = rollout_id_of(row)
+    if rollout_id is None:
+        raise ValueError(f"names no rollout: give it {ROLLOUT_ID_KEY} or {TASK_KEY}/{ROLLOUT_KEY}")
+    return capture_key(rollout_id, attempt_of(row))
 
 
 @attrs.frozen

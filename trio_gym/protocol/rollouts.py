@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final, Literal
 
-from .identity import IDENTITY_KEYS, ROLLOUT_KEY, TASK_KEY
+from .identity import IDENTITY_KEYS, ROLLOUT_KEY, TASK_KEY, numbered
 
 FAILURES_FIELD: Final = "failures"
 FailureMode = Literal["batch", "records"]
@@ -47,13 +47,13 @@ ROUTING_KEYS: Final = ("agent_ref", "_ng_environment_server")
 
 def failure_identity(example: Mapping[str, Any], position: int) -> dict[str, Any]:
     """What a failure record made for ``example`` (at ``position`` in the caller's input) says
-    of its row: its identity keys and routing, and a task index (its position) and rollout index
-    (0) where it has none — how Gym's collection numbers rows."""
-    identity = {TASK_KEY: position, ROLLOUT_KEY: 0}
-    for key in (*IDENTITY_KEYS, *ROUTING_KEYS):
-        if example.get(key) is not None:
-            identity[key] = example[key]
-    return identity
+    of its row: its identity keys (numbered as Gym's collection numbers rows) and routing."""
+    row = numbered(example, position)
+    return {
+        key: row[key]
+        for key in (TASK_KEY, ROLLOUT_KEY, *IDENTITY_KEYS, *ROUTING_KEYS)
+        if row.get(key) is not None
+    }
 
 
 def is_failure_record(result: Any) -> bool:

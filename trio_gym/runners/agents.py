@@ -51,10 +51,8 @@ deployment that is not up yet — and again when a row names a server not yet kn
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import logging
-import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from functools import partial
 from typing import Any, TypeVar
@@ -77,7 +75,7 @@ from trio_gym.http import (
     open_tcp,
 )
 from trio_gym.logs import log_event
-from trio_gym.protocol.identity import ATTEMPT_KEY, rollout_id_of
+from trio_gym.protocol.identity import ATTEMPT_KEY, capture_key_of, numbered
 from trio_gym.protocol.rollouts import FAILURE_CLASS_KEY, FAILURE_MESSAGE_KEY
 from trio_gym.runners.base import ExampleContext, report_health_note
 
@@ -100,7 +98,7 @@ from .finalize import (
     capture_switches,
     worker_starter,
 )
-from .gym import GymStartFailed
+from .gym import GymStartFailed, gym_python
 from .records import (
     AGENT_REF_KEY,
     ENVIRONMENT_SERVER_KEY,
@@ -110,7 +108,6 @@ from .records import (
     episode_record,
     episode_request,
     gym_error_text,
-    numbered,
     run_failure_record,
     stamp_record,
     taskset_of,
@@ -308,6 +305,8 @@ class AgentsRunner:
                 config,
                 self._finalizer_worker or worker_starter(self._gym_python()),
                 call_timeout_s=self.settings.finalize_timeout_s,
+                # An answer carries one record, which no answer of this host may exceed.
+                max_line_bytes=self.settings.max_response_bytes + 1024 * 1024,
             )
             await self.finalizer.run(task_status=task_status)
         except FinalizationUnavailable as exc:
@@ -324,13 +323,10 @@ class AgentsRunner:
 
     def _gym_python(self) -> str:
         """The Python to finalize records with; raises :class:`FinalizationUnavailable`."""
-        if self.settings.gym_python:
-            return self.settings.gym_python
-        if importlib.util.find_spec("nemo_gym") is not None:
-            return sys.executable
-        raise FinalizationUnavailable(
-            "no Python with nemo_gym is known here; name one with --gym-python (NMP_GYM_PYTHON)"
-        )
+        try:
+            return gym_python(self.settings.gym_python, "finalizing Gym's records")
+        except GymStartFailed as exc:
+            raise FinalizationUnavailable(str(exc)) from exc
 
     async def start(self) -> None:
         """Learn the deployment from the head server, if there is one, waiting for it to be up
@@ -383,46 +379,44 @@ class AgentsRunner:
         row = numbered(example, context.position)
         first = row.get(ATTEMPT_KEY, 0) if isinstance(row.get(ATTEMPT_KEY), int) else 0
         tries = 0
-        with self._capture_key_held(row):
-            while True:
-                record, retirement = await self._attempt(server, row)
-                failure = record.get(FAILURE_CLASS_KEY) if isinstance(record, dict) else None
-                if failure is None:
-                    if retirement is not None and self.finalizer is not None:
-                        context.when_delivered(partial(self._retire, self.finalizer, retirement))
-                    return record
-                tries += 1
-                terminal = bool(record.get(FAILURE_TERMINAL_KEY))
-                log_event(
-                    "rollout_failed",
-                    batch=context.batch_id,
-                    example=context.index,
-                    server=server.name,
-                    failure_class=failure,
-                    tries=tries,
-                    terminal=terminal,
+        while True:
+            record, retirement = await self._attempt(server, row)
+            failure = record.get(FAILURE_CLASS_KEY) if isinstance(record, dict) else None
+            if failure is None:
+                if retirement is not None and self.finalizer is not None:
+                    context.when_delivered(partial(self.finalizer.retire, retirement))
+                return record
+            tries += 1
+            terminal = bool(record.get(FAILURE_TERMINAL_KEY))
+            log_event(
+                "rollout_failed",
+                batch=context.batch_id,
+                example=context.index,
+                server=server.name,
+                failure_class=failure,
+                tries=tries,
+                terminal=terminal,
+            )
+            if terminal or tries == self.settings.rollout_attempts:
+                how = "terminal" if terminal else f"after {tries} attempt(s)"
+                raise RolloutFailed(
+                    f"{server.label} reports the rollout failed: {FAILURE_CLASS_KEY}="
+                    f"{failure} ({how}): {record.get(FAILURE_MESSAGE_KEY) or 'no message'}",
+                    record,
                 )
-                if terminal or tries == self.settings.rollout_attempts:
-                    how = "terminal" if terminal else f"after {tries} attempt(s)"
-                    raise RolloutFailed(
-                        f"{server.label} reports the rollout failed: {FAILURE_CLASS_KEY}="
-                        f"{failure} ({how}): {record.get(FAILURE_MESSAGE_KEY) or 'no message'}",
-                        record,
-                    )
-                await trio.sleep(self.settings.retry_backoff_s * tries)
-                # The next try counts in _ng_attempt_index, on the row and so on its record, as
-                # Gym's collection stamps it: the tries' model calls stay apart in Gym's captures.
-                row = {**row, ATTEMPT_KEY: first + tries}
+            await trio.sleep(self.settings.retry_backoff_s * tries)
+            # The next try counts in _ng_attempt_index, on the row and so on its record, as
+            # Gym's collection stamps it: the tries' model calls stay apart in Gym's captures.
+            row = {**row, ATTEMPT_KEY: first + tries}
 
     @contextlib.contextmanager
     def _capture_key_held(self, row: Mapping[str, Any]) -> Iterator[None]:
-        """While Gym's captures are finalized, one rollout id runs once at a time here: a second
-        would clear the first's captures and mix its own into them."""
+        """While Gym's captures are finalized, one capture key (a rollout's try) runs once at a
+        time here: a second would clear the first's captures and mix its own into them."""
         if self.finalizer is None:
             yield
             return
-        key = rollout_id_of(row)
-        assert key is not None  # a numbered row has its indices
+        key = capture_key_of(row)
         if key in self._capturing:
             raise AgentError(
                 f"rollout {key} is already running on this host, and Gym captures its model "
@@ -441,24 +435,37 @@ class AgentsRunner:
         """One try of a row: its old captures cleared, its ``/run``, its record finished as Gym's
         collection finishes it. A ``/run`` that fails raises :class:`RolloutFailed` with the
         (finished) failure record Gym's collection writes for it."""
-        gym_row = self._as_gym_holds_it(row, server)
-        if self.finalizer is not None:
-            await self.finalizer.prepare(gym_row)
-        started = trio.current_time()
-        try:
-            answer = await self._call(server, row, episode=taskset_of(row) is not None)
-        except RunFailed as error:
-            failed = stamp_record(row, run_failure_record(error), server)
-            failure, _ = await self._finish(gym_row, failed, None)
-            raise RolloutFailed(str(error), failure) from error
-        latency_ms = (trio.current_time() - started) * 1000
-        return await self._finish(gym_row, stamp_record(row, answer, server), latency_ms)
+        with self._capture_key_held(row):
+            gym_row = self._as_gym_holds_it(row, server)
+            if self.finalizer is not None:
+                await self.finalizer.prepare(gym_row)
+            started = trio.current_time()
+            try:
+                answer = await self._call(server, row, episode=taskset_of(row) is not None)
+            except RunFailed as error:
+                failed = stamp_record(row, run_failure_record(error), server)
+                try:
+                    failed, _ = await self._finish(gym_row, failed, None)
+                except FinalizeFailed as unfinished:  # the failure is the /run's, still
+                    log_event(
+                        "failure_record_not_finalized",
+                        level=logging.WARNING,
+                        reason=str(unfinished),
+                    )
+                raise RolloutFailed(str(error), failed) from error
+            latency_ms = (trio.current_time() - started) * 1000
+            return await self._finish(gym_row, stamp_record(row, answer, server), latency_ms)
 
     async def _finish(
         self, gym_row: Mapping[str, Any], record: Any, latency_ms: float | None
     ) -> tuple[Any, Retirement | None]:
-        if self.finalizer is None or not isinstance(record, dict):
+        if self.finalizer is None:
             return record, None
+        if not isinstance(record, dict):
+            raise FinalizeFailed(
+                f"the /run answer is {type(record).__name__}, not a record; Gym's finalization "
+                "finishes records (JSON objects), as Gym's collection does"
+            )
         finished = await self.finalizer.finish(gym_row, record, latency_ms)
         return finished.record, finished.retirement
 
@@ -469,20 +476,6 @@ class AgentsRunner:
         if taskset_of(row) is None or ENVIRONMENT_SERVER_KEY in row:
             return row
         return {**row, ENVIRONMENT_SERVER_KEY: server.name}
-
-    @staticmethod
-    async def _retire(finalizer: RecordFinalizer, retirement: Retirement) -> None:
-        """Once the record is delivered: Gym may drop its token snapshot (a failure keeps it:
-        a snapshot kept is not a record lost)."""
-        try:
-            await finalizer.retire(retirement)
-        except FinalizeFailed as exc:
-            log_event(
-                "token_snapshot_kept",
-                level=logging.WARNING,
-                rollout=retirement.rollout_id,
-                reason=str(exc),
-            )
 
     async def _call(self, server: Server, row: Mapping[str, Any], *, episode: bool) -> Any:
         """POST one row (as an episode request for a taskset row); its answer, decoded.

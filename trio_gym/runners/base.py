@@ -109,8 +109,10 @@ class RecordedFailure(Exception):
         self.record = record
 
 
-Delivery = Callable[[], Awaitable[None]]
-"""Work for after a result reached the caller. It must not raise: a failure is its own to log."""
+Delivery = Callable[[], None]
+"""Told that a result reached the caller. Synchronous, quick, and it must not raise: work it
+starts belongs to a task of the runner's own (a failure there is the runner's to log), so an
+answer is never held up by it, nor undone when the connection is cancelled after."""
 
 
 class EpisodeHooks(Protocol):
@@ -144,9 +146,9 @@ class ExampleContext:
     """What :meth:`when_delivered` registered, for the host to run."""
 
     def when_delivered(self, delivery: Delivery) -> None:
-        """Run ``delivery`` once the result has been handed to the caller (the last byte of the
-        answer that carries it written); never, if it is not (the caller left, the batch
-        failed)."""
+        """Call ``delivery`` once the result has been handed to the caller (the last byte of
+        the answer that carries it written); never, if it is not (the caller left, the batch
+        failed, or the host stopped first)."""
         self.deliveries.append(delivery)
 
     @property

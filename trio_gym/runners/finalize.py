@@ -8,11 +8,14 @@ that Python, spoken to over its standard input and output, one JSON line a reque
 
 :class:`RecordFinalizer` owns the worker as a task of its owner's nursery (``run``): started and
 configured with Gym's global config before the host is ready, started again if it exits (its
-standard error is logged, and its last lines name a death), stopped with the host. Every call is
-bounded (``call_timeout_s``): a worker that does not answer in time is killed and started
-again, and the call fails naming why — a row whose record cannot be finished fails, and is never
-passed off as finished. Calls are written as they come and answered in order; when a worker
-dies, exactly the calls it had been given fail.
+standard error is logged, and its last lines name a death), stopped with the host. Requests are
+written by one writer task in the order they come (a caller cancelled meanwhile can never cut a
+line in half) and answered in that order, one at a time. The bound (``call_timeout_s``) is on
+the worker's progress: while requests wait, it must answer one every ``call_timeout_s`` — a
+worker that does not is killed, started again, and every request it had been given fails
+naming why; a long queue behind a healthy worker is no failure. So no call hangs, and a row
+whose record cannot be finished fails, never passed off as finished. Snapshots to retire are
+handed to a task of the finalizer and sent in batches: delivery never waits on the worker.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import subprocess
 from collections.abc import Awaitable, Callable, Mapping
@@ -37,13 +41,18 @@ from trio_gym.processes.output import OutputTail
 from .deployment import AgentError
 
 WORKER: Final = Path(__file__).with_name("finalize_worker.py")
-# Starting a worker imports Gym's collection (about 7 s on these machines; more on busy cores).
+# Starting a worker imports Gym's collection (about 5 s on these machines; more on busy cores).
 START_TIMEOUT_S: Final = 180.0
-# How long a stopping worker gets after its standard input closes before it is killed.
+# How long a stopping worker gets after its standard input closes before it is killed, and how
+# long a killed one is waited for (a process in an uninterruptible wait is then left behind).
 STOP_GRACE_S: Final = 5.0
-# A worker that dies is started again after this, growing by it for each death in a row.
+# A worker that dies within QUICK_END_S of its start is started again after a pause growing by
+# RESTART_BACKOFF_S for each such death in a row, at most MAX_RESTART_BACKOFF_S.
 RESTART_BACKOFF_S: Final = 0.5
 MAX_RESTART_BACKOFF_S: Final = 10.0
+QUICK_END_S: Final = 10.0
+# Snapshots retired in one request at most.
+RETIRE_BATCH: Final = 256
 # Never handed to the worker: Gym's code has no business with the host's control plane.
 WITHHELD_VARIABLES: Final = ("NMP_CONTROL_TOKEN",)
 REFUSED: Final = "Gym's finalizer refused: "
@@ -81,15 +90,9 @@ class Retirement:
     snapshot_id: str
     version: int
 
-    @classmethod
-    def from_answer(cls, answer: Any) -> Retirement | None:
-        if answer is None:
-            return None
-        return cls(str(answer["rollout_id"]), str(answer["snapshot_id"]), int(answer["version"]))
-
 
 @attrs.frozen
-class Finished:
+class FinishedRecord:
     record: dict[str, Any]
     retirement: Retirement | None
 
@@ -132,43 +135,51 @@ def worker_starter(python: str, environ: Mapping[str, str] | None = None) -> Sta
 
 @attrs.define(eq=False)
 class _Call:
+    line: bytes
     done: trio.Event = attrs.field(factory=trio.Event)
     answer: dict[str, Any] | None = None
     failure: str | None = None
 
 
 class _Worker:
-    """One started worker: its calls in flight, and how it ended."""
+    """One started worker: its requests to write, those in flight, and how it ended."""
 
     def __init__(self, process: WorkerProcess, max_line_bytes: int) -> None:
         assert process.stdin is not None and process.stdout is not None
         self.process = process
-        self.stdin = process.stdin
-        self.stdout = process.stdout
         self.stderr = OutputTail("gym-finalizer")
         self.max_line_bytes = max_line_bytes
         self.calls: dict[int, _Call] = {}
+        """Requests given to it and not answered, by id, in the order they were given."""
         self.ended: str | None = None
         self.gone = trio.Event()
+        self.exited = False
+        """Its process is gone: no request is given to it any more."""
         self._ids = itertools.count(1)
-        self._writing = trio.Lock()
+        self._to_write, self._writing = trio.open_memory_channel[int](math.inf)
+        self._answers = 0
+        self._changed = trio.Event()
+        """Set (and replaced) when a request is given, answered, or the worker ends."""
 
     async def call(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
-        """One request and its answer; raises :class:`FinalizeFailed` for a refusal or the
-        worker's end. (The bound is the caller's.)"""
+        """One request and its answer. Raises :class:`FinalizeFailed` for a refusal, or once
+        the worker ended (dead, or not answering: its watchdog's bound). Cancelled, the request
+        may still be written and carried out — a capture cleared, a record finished — and its
+        answer is dropped."""
         if self.ended is not None:
             raise FinalizeFailed(self.ended)
         number = next(self._ids)
         try:
             line = encode_json({"id": number, "op": op, **fields}) + b"\n"
         except (TypeError, ValueError, RecursionError) as exc:
-            raise FinalizeFailed(f"the record cannot be handed to Gym's finalizer: {exc}") from exc
-        call = self.calls[number] = _Call()
+            raise FinalizeFailed(
+                f"the record cannot be handed to Gym's finalizer, it is not JSON ({exc}); the "
+                "row's /run answered something Gym's collection could not write either"
+            ) from exc
+        call = self.calls[number] = _Call(line)
+        self._note()
         try:
-            # A worker that is ending refuses the write; its reader hears the end and fails this.
-            async with self._writing:
-                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                    await self.stdin.send_all(line)
+            self._to_write.send_nowait(number)
             await call.done.wait()
         finally:
             self.calls.pop(number, None)
@@ -179,16 +190,35 @@ class _Worker:
             raise FinalizeFailed(f"{REFUSED}{call.answer.get('error')}")
         return call.answer
 
+    async def write_requests(self) -> None:
+        """Write each request whole, in order; one whose caller is gone is skipped. (The only
+        writer: a caller's cancellation never stops a write half-way.)"""
+        stdin = self.process.stdin
+        assert stdin is not None
+        async for number in self._writing:
+            call = self.calls.get(number)
+            if call is not None:
+                try:
+                    await stdin.send_all(call.line)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    return  # it is ending: its watcher ends its calls
+
     async def read_answers(self) -> None:
         """Hand each answer line to its call, until the worker's output ends."""
+        stdout = self.process.stdout
+        assert stdout is not None
         buffer = bytearray()
-        while data := await self.stdout.receive_some(65536):
+        searched = 0
+        while data := await stdout.receive_some(65536):
             buffer += data
-            while (end := buffer.find(b"\n")) >= 0:
+            while (end := buffer.find(b"\n", searched)) >= 0:
                 self._answer(bytes(buffer[:end]))
                 del buffer[: end + 1]
+                searched = 0
+            searched = len(buffer)
             if len(buffer) > self.max_line_bytes:
                 log_event("finalizer_answer_too_large", level=logging.ERROR, bytes=len(buffer))
+                self.end(f"Gym's finalizer answered more than {self.max_line_bytes} bytes at once")
                 self.process.kill()
                 return
 
@@ -202,16 +232,43 @@ class _Worker:
             text = line[:200].decode("utf-8", "replace")
             log_event("finalizer_stray_line", level=logging.WARNING, line=text)
             return
+        self._answers += 1
+        self._note()
         call = self.calls.get(number)
         if call is not None:  # else its caller was cancelled meanwhile
             call.answer = answer
             call.done.set()
 
+    async def watch_progress(self, bound_s: float) -> None:
+        """While requests wait, one must be answered every ``bound_s``; else the worker is
+        ended (its requests fail) and killed."""
+        while self.ended is None:
+            if not self.calls:
+                await self._changed.wait()
+                continue
+            answered = self._answers
+            with trio.move_on_after(bound_s):
+                while self._answers == answered and self.ended is None:
+                    await self._changed.wait()
+                continue
+            self.end(
+                f"Gym's finalizer answered nothing for {bound_s:g} s with {len(self.calls)} "
+                "request(s) waiting (NMP_GYM_FINALIZE_TIMEOUT_S); it was stopped, and is "
+                "started again"
+            )
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+
+    def _note(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
     def end(self, why: str) -> None:
-        """The worker is gone: every call it was given fails, naming why (the first why)."""
+        """The worker is gone: every request it was given fails, naming why (the first why)."""
         if self.ended is None:
             self.ended = why
             self.gone.set()
+            self._note()
         for call in self.calls.values():
             if not call.done.is_set():
                 call.failure = self.ended
@@ -227,53 +284,81 @@ class RecordFinalizer:
         start_worker: StartWorker,
         *,
         call_timeout_s: float,
+        max_line_bytes: int,
         start_timeout_s: float = START_TIMEOUT_S,
-        max_line_bytes: int = 512 * 1024 * 1024,
     ) -> None:
         self.config = dict(config)
         self.start_worker = start_worker
         self.call_timeout_s = call_timeout_s
-        self.start_timeout_s = start_timeout_s
         self.max_line_bytes = max_line_bytes
-        self.finalizes: list[str] | None = None
-        """What Gym's config switches on, as the first worker configured said."""
-        self.starts = 0
+        """The longest answer taken (a record is at most what an answer may carry)."""
+        self.start_timeout_s = start_timeout_s
+        self.finalizes: list[str] = []
+        """What Gym's config switches on, as the last worker configured said."""
+        self._configured = False
         self._worker: _Worker | None = None
         self._worker_changed = trio.Event()
         self._last_end = "it has not started yet"
+        self._retire_in, self._retire_out = trio.open_memory_channel[Retirement](math.inf)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start a worker and configure it, report started, then keep one running until
-        cancelled: a worker that ends is started again, after a pause that grows while they
-        keep ending soon. Raises :class:`FinalizationUnavailable` if the first cannot be started
-        or configured; a later one that cannot is tried again, calls meanwhile failing at their
-        bound with the reason."""
-        quick_ends = 0
-        while True:
-            started = trio.current_time()
+        cancelled — and send the retirements handed over meanwhile. A worker that ends is
+        started again, after a pause that grows while they keep ending soon. Raises
+        :class:`FinalizationUnavailable` if the first cannot be started or configured; a later
+        one that cannot is tried again, calls meanwhile failing at their bound with the reason.
+        Once started it never raises (but ``Cancelled``): whatever a worker does, the host
+        outlives it."""
+        unavailable: FinalizationUnavailable | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._send_retirements)
             try:
-                await self._keep_one(task_status)
+                await self._keep_guarded(task_status)
             except FinalizationUnavailable as exc:
-                if self.finalizes is None:
-                    raise
-                self._last_end = f"Gym's finalizer could not be started again: {exc}"
-            task_status = trio.TASK_STATUS_IGNORED
-            lived = trio.current_time() - started
-            quick_ends = quick_ends + 1 if lived < MAX_RESTART_BACKOFF_S else 1
+                unavailable = exc
+                nursery.cancel_scope.cancel()
+            else:
+                await self._keep_starting()
+        if unavailable is not None:
+            raise unavailable
+
+    async def _keep_starting(self) -> None:
+        quick_ends = 1
+        while True:
             pause = min(RESTART_BACKOFF_S * quick_ends, MAX_RESTART_BACKOFF_S)
             log_event(
                 "finalizer_restarting", level=logging.WARNING, why=self._last_end, after_s=pause
             )
             await trio.sleep(pause)
+            started = trio.current_time()
+            try:
+                await self._keep_guarded(trio.TASK_STATUS_IGNORED)
+            except FinalizationUnavailable as exc:
+                self._last_end = f"Gym's finalizer could not be started again: {exc}"
+            quick = trio.current_time() - started < QUICK_END_S
+            quick_ends = quick_ends + 1 if quick else 1
+
+    async def _keep_guarded(self, task_status: trio.TaskStatus[None]) -> None:
+        """:meth:`_keep_one`; once a worker has been configured, a failure of ours in keeping
+        it (a bug) is logged, not raised: a worker's bytes must not end the host."""
+        try:
+            await self._keep_one(task_status)
+        except FinalizationUnavailable:
+            raise
+        except Exception:
+            if not self._configured:
+                raise
+            log_event("finalizer_failed", level=logging.ERROR, exc_info=True)
 
     async def _keep_one(self, task_status: trio.TaskStatus[None]) -> None:
         """One worker from start to end: configured, used until it exits, then stopped.
         Raises :class:`FinalizationUnavailable` if it cannot be started or configured."""
-        self.starts += 1
         try:
             process = await self.start_worker()
         except OSError as exc:
-            raise FinalizationUnavailable(f"cannot start Gym's finalizer: {exc}") from exc
+            raise FinalizationUnavailable(
+                f"cannot start Gym's finalizer: {exc}; check --gym-python (NMP_GYM_PYTHON)"
+            ) from exc
         worker = _Worker(process, self.max_line_bytes)
         refused: FinalizationUnavailable | None = None
         try:
@@ -284,10 +369,10 @@ class RecordFinalizer:
                 except FinalizationUnavailable as exc:
                     refused = exc
                 else:
+                    nursery.start_soon(worker.watch_progress, self.call_timeout_s)
                     self._use(worker)
                     task_status.started()
                     await worker.gone.wait()
-                    self._use(None)
                 nursery.cancel_scope.cancel()
         finally:
             if self._worker is worker:
@@ -300,15 +385,21 @@ class RecordFinalizer:
             raise refused
 
     async def _watch(self, worker: _Worker) -> None:
-        """Read the worker's answers and its standard error until it exits; then, once the
-        last of its output is in (within a second), end it: its calls in flight fail."""
+        """Write its requests, read its answers and its standard error; once it exits (and
+        the last of its output is in, within a second), end it."""
         process = worker.process
-        async with trio.open_nursery() as pipes:
-            pipes.start_soon(worker.read_answers)
-            if process.stderr is not None:
-                pipes.start_soon(worker.stderr.pump, "stderr", process.stderr)
-            status = await process.wait()
-            pipes.cancel_scope.deadline = trio.current_time() + 1.0
+        async with trio.open_nursery() as writing:
+            writing.start_soon(worker.write_requests)
+            async with trio.open_nursery() as output:
+                output.start_soon(worker.read_answers)
+                if process.stderr is not None:
+                    output.start_soon(worker.stderr.pump, "stderr", process.stderr)
+                status = await process.wait()
+                worker.exited = True  # given nothing more, while the last of its output comes in
+                if self._worker is worker:
+                    self._use(None)
+                output.cancel_scope.deadline = trio.current_time() + 1.0
+            writing.cancel_scope.cancel()
         worker.end(self._death(worker, f"exited with status {status}"))
 
     def _death(self, worker: _Worker, how: str) -> str:
@@ -322,10 +413,12 @@ class RecordFinalizer:
             except FinalizeFailed as exc:
                 raise FinalizationUnavailable(str(exc).removeprefix(REFUSED)) from exc
             self.finalizes = [str(part) for part in answer.get("finalizes", [])]
-            log_event("finalizer_ready", finalizes=self.finalizes, start=self.starts)
+            self._configured = True
+            log_event("finalizer_ready", finalizes=self.finalizes)
             return
         raise FinalizationUnavailable(
-            f"Gym's finalizer was not ready within {self.start_timeout_s:g} s"
+            f"Gym's finalizer was not ready within {self.start_timeout_s:g} s (importing "
+            "nemo_gym takes seconds; a Gym Python that hangs at start is the likelier cause)"
         )
 
     def _use(self, worker: _Worker | None) -> None:
@@ -334,7 +427,8 @@ class RecordFinalizer:
         self._worker_changed = trio.Event()
 
     async def _stop(self, process: WorkerProcess) -> None:
-        """Close its standard input (it exits at end-of-file), then kill it after the grace."""
+        """Close its standard input (it exits at end-of-file), then kill it after the grace;
+        a process that does not go even then is left, said so (bounded: the host stops)."""
         if process.stdin is not None:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await process.stdin.aclose()
@@ -343,47 +437,76 @@ class RecordFinalizer:
             return
         with contextlib.suppress(ProcessLookupError):
             process.kill()
-        await process.wait()
+        with trio.move_on_after(STOP_GRACE_S):
+            await process.wait()
+            return
+        log_event("finalizer_unkillable", level=logging.ERROR, waited_s=2 * STOP_GRACE_S)
 
     async def _call(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
-        """A call to the worker running now (waiting for one being started), within
-        ``call_timeout_s``; a worker that does not answer in time is killed (and so started
-        again). Raises :class:`FinalizeFailed` saying why."""
-        worker: _Worker | None = None
-        with trio.move_on_after(self.call_timeout_s):
-            while self._worker is None or self._worker.ended is not None:
+        """A request to the worker running now, waiting for one being started within
+        ``call_timeout_s``; its answer then comes within the worker's bound. Raises
+        :class:`FinalizeFailed` saying why not."""
+        with trio.move_on_after(self.call_timeout_s) as waiting:
+            while (worker := self._worker) is None or worker.exited or worker.ended is not None:
                 await self._worker_changed.wait()
-            worker = self._worker
-            return await worker.call(op, fields)
-        if worker is None:
+        if waiting.cancelled_caught:
             raise FinalizeFailed(
                 f"no Gym finalizer was running within {self.call_timeout_s:g} s "
                 f"(NMP_GYM_FINALIZE_TIMEOUT_S); the last one: {self._last_end}"
             )
-        worker.end(
-            f"Gym's finalizer did not answer within {self.call_timeout_s:g} s "
-            "(NMP_GYM_FINALIZE_TIMEOUT_S); it was stopped, and is started again"
-        )
-        with contextlib.suppress(ProcessLookupError):
-            worker.process.kill()
-        raise FinalizeFailed(worker.ended or "")
+        assert worker is not None
+        return await worker.call(op, fields)
 
     async def prepare(self, row: Mapping[str, Any]) -> None:
-        """Clear the old captures of the row's capture key, before its ``/run``."""
+        """Clear the old captures of the row's capture key, before its ``/run``. (Cancelled,
+        they may be cleared all the same.)"""
         await self._call("prepare", {"row": row})
 
     async def finish(
         self, row: Mapping[str, Any], record: Mapping[str, Any], latency_ms: float | None
-    ) -> Finished:
-        """The record as Gym's collection finishes it (and what to retire once delivered)."""
+    ) -> FinishedRecord:
+        """The record as Gym's collection finishes it (and what to retire once delivered).
+        (Cancelled, Gym may have frozen its token snapshot; it is kept, as a record never
+        delivered keeps it.)"""
         answer = await self._call(
             "finish", {"row": row, "record": record, "latency_ms": latency_ms}
         )
-        finished = answer.get("record")
-        if not isinstance(finished, dict):
-            raise FinalizeFailed(f"Gym's finalizer answered no record: {str(answer)[:200]}")
-        return Finished(finished, Retirement.from_answer(answer.get("retire")))
+        finished, retire = answer.get("record"), answer.get("retire")
+        try:
+            if not isinstance(finished, dict):
+                raise TypeError("no record")  # noqa: TRY301 - one refusal for every bad shape
+            retirement = None
+            if retire is not None:
+                retirement = Retirement(
+                    str(retire["rollout_id"]), str(retire["snapshot_id"]), int(retire["version"])
+                )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FinalizeFailed(
+                f"Gym's finalizer answered something that is not a finished record "
+                f"({str(answer)[:200]}); is its finalize_worker.py from this trio_gym?"
+            ) from exc
+        return FinishedRecord(finished, retirement)
 
-    async def retire(self, retirement: Retirement) -> None:
-        """Let Gym drop the token snapshot of a record that has been delivered."""
-        await self._call("retire", {"retire": attrs.asdict(retirement)})
+    def retire(self, retirement: Retirement) -> None:
+        """Let Gym drop the token snapshot of a record that has been delivered: handed to the
+        finalizer's own task, sent in batches, never waited for (a retire that fails keeps the
+        snapshot, and says so in the log)."""
+        self._retire_in.send_nowait(retirement)
+
+    async def _send_retirements(self) -> None:
+        async for first in self._retire_out:
+            batch = [first]
+            while len(batch) < RETIRE_BATCH:
+                try:
+                    batch.append(self._retire_out.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            try:
+                await self._call("retire", {"retire": [attrs.asdict(r) for r in batch]})
+            except FinalizeFailed as exc:
+                log_event(
+                    "token_snapshots_kept",
+                    level=logging.WARNING,
+                    rollouts=[r.rollout_id for r in batch],
+                    reason=str(exc),
+                )

@@ -19,7 +19,8 @@ request on standard input, one answer on standard output, in order:
   measured ``/run`` time, token capture finalized (``mask_sample``, ``_ng_token_capture``, the
   response rebuilt from the token store where configured) — and, when Gym allows it, the frozen
   token snapshot to retire once the record is handed off (``retire``).
-- ``retire`` ``{retire}``: drop that snapshot (the record has been delivered).
+- ``retire`` ``{retire: [snapshot, ...]}``: drop those snapshots (their records have been
+  delivered).
 
 Every step is Gym's own function (``rollout_collection``, ``base_responses_api_model``,
 ``token_id_capture``), in the order its ``run_from_config`` applies them; nothing of Gym's
@@ -27,7 +28,8 @@ record format is written here. A step that raises is answered ``{"ok": false, "e
 
 Gym's code may print; standard output is the channel to the owner, so the process's file
 descriptor 1 is pointed at standard error (which the owner logs) and answers go to a copy of
-the original. The worker ends at end-of-file on standard input: its owner closed it, or died.
+the original. The worker ends at end-of-file on standard input (its owner closed it, or died),
+or at once when its owner is gone while Gym's code is busy (a watching thread).
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import asyncio
 import functools
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -214,13 +218,18 @@ class Finalizer:
                 }
         return {"record": record, "retire": retire}
 
-    async def retire(self, retire: dict[str, Any]) -> dict[str, Any]:
+    async def retire(self, snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         # The drop Gym's retire_rollout_token_capture makes, by the snapshot's identity (what
         # finish answered), so a record finished by an earlier worker is retired all the same.
-        retired = await self.token_source.drop(
-            retire["rollout_id"], snapshot_id=retire["snapshot_id"], version=retire["version"]
-        )
-        return {"retired": bool(retired)}
+        retired = []
+        for snapshot in snapshots:
+            dropped = await self.token_source.drop(
+                snapshot["rollout_id"],
+                snapshot_id=snapshot["snapshot_id"],
+                version=snapshot["version"],
+            )
+            retired.append(bool(dropped))
+        return {"retired": retired}
 
 
 async def answer(finalizer: Finalizer | None, request: dict[str, Any]) -> dict[str, Any]:
@@ -238,7 +247,20 @@ async def answer(finalizer: Finalizer | None, request: dict[str, Any]) -> dict[s
     raise RuntimeError(f"no such request {op!r}")
 
 
+def exit_with_the_owner(owner: int) -> None:
+    """End this process once its owner is gone, even while Gym's code is busy or stuck (the
+    end of standard input is only read between requests). A thread, looking every second."""
+
+    def watch() -> None:
+        while os.getppid() == owner:
+            time.sleep(1.0)  # clock-ok: another process's end, which nothing here can await
+        os._exit(1)
+
+    threading.Thread(target=watch, name="owner-watch", daemon=True).start()
+
+
 def main() -> None:
+    exit_with_the_owner(os.getppid())
     channel = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # whatever Gym prints goes to standard error, which the owner logs
     sys.stdout = sys.stderr

@@ -74,17 +74,20 @@ class GymStartFailed(Exception):
     """The deployment could not be started; the message says why and what to change."""
 
 
-def gym_python(configured: str) -> str:
-    """The interpreter to run Gym with: ``configured``, else this one if it has nemo_gym."""
+def gym_python(configured: str, purpose: str = "runner 'gym'") -> str:
+    """The interpreter with nemo_gym (to run Gym with, or to finalize its records with):
+    ``configured``, else this one if it has nemo_gym. Raises :class:`GymStartFailed` saying
+    what ``purpose`` needs and how to give it."""
     if configured:
         return configured
     if importlib.util.find_spec("nemo_gym") is not None:
         return sys.executable
     raise GymStartFailed(
-        f"runner 'gym' needs a Python that can import nemo_gym, and the host's own "
+        f"{purpose} needs a Python that can import nemo_gym, and the host's own "
         f"({sys.executable}) cannot; name one with --gym-python (NMP_GYM_PYTHON) — nemo-gym "
-        "needs Python 3.13 (scripts/gym_env.sh builds one) — or run a deployment yourself and "
-        "use --runner agents --head-server URL"
+        "needs Python 3.13 (scripts/gym_env.sh builds one)"
+        + (" — or run a deployment yourself and use --runner agents --head-server URL")
+        * (purpose == "runner 'gym'")
     )
 
 

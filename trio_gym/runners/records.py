@@ -114,17 +114,6 @@ def run_failure_record(error: RunFailed) -> dict[str, Any]:
     }
 
 
-def numbered(row: Mapping[str, Any], position: int) -> dict[str, Any]:
-    """The row as Gym's collection dispatches it: a task index (its ``position``) and a
-    rollout index (0) where it has none, so captures are keyed by them."""
-    numbered = dict(row)
-    if numbered.get(TASK_KEY) is None:
-        numbered[TASK_KEY] = position
-    if numbered.get(ROLLOUT_KEY) is None:
-        numbered[ROLLOUT_KEY] = 0
-    return numbered
-
-
 def gym_error_text(body: bytes, limit: int = 1000) -> str:
     """A Gym server's error body, readable: a JSON string read once, and each inner server's
     body that Gym wrapped as a bytes literal (``calling an inner server: b'...'``) read in turn,
