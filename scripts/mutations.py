@@ -2058,7 +2058,10 @@ MUTATIONS = [
         "trio_gym/runners/finalize.py",
         "        call = self.calls.get(number)\n        if call is not None:  # else its caller was cancelled meanwhile",
         "        call = self.calls[number]\n        if call is not None:  # else its caller was cancelled meanwhile",
-        ("tests/test_finalize.py::test_stray_lines_on_the_answer_channel_are_logged_and_skipped",),
+        (
+            "tests/test_finalize.py::test_stray_lines_on_the_answer_channel_are_logged_and_skipped",
+            "tests/test_finalize.py::test_a_caller_cancelled_while_its_request_is_written_cuts_no_line",
+        ),
     ),
     Mutation(
         "one rollout id run twice at once while its captures are kept (#22)",
@@ -2151,11 +2154,9 @@ MUTATIONS = [
     Mutation(
         "a killed finalizer waited for however long it takes (a stop that never ends) (#22)",
         "trio_gym/runners/finalize.py",
-        "        with trio.move_on_after(STOP_GRACE_S):\n            await process.wait()\n            return\n        log_event(",
-        "        with trio.move_on_after(math.inf):\n            await process.wait()\n            return\n        log_event(",
-        (
-            "tests/test_finalize.py::test_a_worker_that_will_not_die_holds_up_the_hosts_stop_for_a_bounded_time",
-        ),
+        "    with trio.move_on_after(STOP_GRACE_S):\n        await process.wait()\n        return\n    log_event(",
+        "    with trio.move_on_after(math.inf):\n        await process.wait()\n        return\n    log_event(",
+        ("tests/test_finalize.py::test_a_worker_that_will_not_die_is_left_after_a_bounded_wait",),
     ),
     Mutation(
         "a failed /run's failure record lost when Gym cannot finish it (#22)",

@@ -16,6 +16,7 @@ from trio_gym.runners.finalize import (
     RecordFinalizer,
     Retirement,
     capture_switches,
+    stop_worker,
 )
 
 ROW = {"_ng_task_index": 0, "_ng_rollout_index": 0}
@@ -108,9 +109,10 @@ async def test_a_worker_that_dies_fails_exactly_its_calls_in_flight_naming_its_e
         workers = FakeWorkers(nursery, die_with_two_finishes_in_flight)
         records = finalizer(workers)
         await nursery.start(records.run)
-        async with trio.open_nursery() as calls:
-            calls.start_soon(finish_expecting_failure)
-            calls.start_soon(finish_expecting_failure)
+        with trio.fail_after(300):  # a call a dead worker never fails fails here, not never
+            async with trio.open_nursery() as calls:
+                calls.start_soon(finish_expecting_failure)
+                calls.start_soon(finish_expecting_failure)
         later = await records.finish(ROW, RECORD, None)
         nursery.cancel_scope.cancel()
     assert arrived.is_set() and len(failures) == 2
@@ -266,31 +268,32 @@ async def test_a_caller_cancelled_while_its_request_is_written_cuts_no_line(
         records = finalizer(workers)
         await nursery.start(records.run)
         (worker,) = workers.started
-        worker.reading = trio.Event()  # the worker busy: it reads nothing for now
+        worker.reading = trio.Event()  # after its next request, the worker reads nothing more
+        await records.prepare(ROW)
         with trio.move_on_after(1):
             await records.finish(ROW, {**RECORD, "response": "x" * 1000}, None)  # cut mid-write
         worker.reading.set()
         after = await records.finish(ROW, RECORD, None)
         nursery.cancel_scope.cancel()
     assert after.record["finished_by"] == 1  # the lines around it came whole: nothing failed
-    assert [r["op"] for r in worker.requests] == ["configure", "finish", "finish"]
+    assert [r["op"] for r in worker.requests] == ["configure", "prepare", "finish", "finish"]
 
 
-async def test_a_worker_that_will_not_die_holds_up_the_hosts_stop_for_a_bounded_time(
+async def test_a_worker_that_will_not_die_is_left_after_a_bounded_wait(
     autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
     async with trio.open_nursery() as processes:
         workers = FakeWorkers(processes)
-        records = finalizer(workers)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(records.run)
-            workers.started[0].stubborn = True
-            stopping = trio.current_time()
-            nursery.cancel_scope.cancel()  # the host stopping
-        stopped = trio.current_time() - stopping
+        stubborn = await workers.start()
+        stubborn.stubborn = True  # heeds neither end-of-file nor SIGKILL
+        started = trio.current_time()
+        with trio.fail_after(60):  # (the finalizer runs it shielded: unbounded, it never ends)
+            await stop_worker(stubborn)
+        waited = trio.current_time() - started
         processes.cancel_scope.cancel()
-    assert stopped == pytest.approx(10.0)  # its end-of-file grace, then the wait after SIGKILL
+    assert waited == pytest.approx(10.0)  # its end-of-file grace, then the wait after SIGKILL
     assert any(r.getMessage() == "finalizer_unkillable" for r in caplog.records)
+    assert stubborn.stdin_closed  # it was asked to go first
 
 
 def test_finalization_follows_gyms_own_switches() -> None:

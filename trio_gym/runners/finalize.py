@@ -133,6 +133,24 @@ def worker_starter(python: str, environ: Mapping[str, str] | None = None) -> Sta
     return start
 
 
+async def stop_worker(process: WorkerProcess) -> None:
+    """Close its standard input (a worker exits at end-of-file), kill it after
+    :data:`STOP_GRACE_S`, and wait as long again; a process that is not gone even then (an
+    uninterruptible wait) is left, said so: the host's stop is bounded."""
+    if process.stdin is not None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await process.stdin.aclose()
+    with trio.move_on_after(STOP_GRACE_S):
+        await process.wait()
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.kill()
+    with trio.move_on_after(STOP_GRACE_S):
+        await process.wait()
+        return
+    log_event("finalizer_unkillable", level=logging.ERROR, waited_s=2 * STOP_GRACE_S)
+
+
 @attrs.define(eq=False)
 class _Call:
     line: bytes
@@ -380,7 +398,7 @@ class RecordFinalizer:
             worker.end(self._death(worker, "was stopped"))
             self._last_end = worker.ended or self._last_end
             with trio.CancelScope(shield=True):
-                await self._stop(process)
+                await stop_worker(process)
         if refused is not None:
             raise refused
 
@@ -425,22 +443,6 @@ class RecordFinalizer:
         self._worker = worker
         self._worker_changed.set()
         self._worker_changed = trio.Event()
-
-    async def _stop(self, process: WorkerProcess) -> None:
-        """Close its standard input (it exits at end-of-file), then kill it after the grace;
-        a process that does not go even then is left, said so (bounded: the host stops)."""
-        if process.stdin is not None:
-            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await process.stdin.aclose()
-        with trio.move_on_after(STOP_GRACE_S):
-            await process.wait()
-            return
-        with contextlib.suppress(ProcessLookupError):
-            process.kill()
-        with trio.move_on_after(STOP_GRACE_S):
-            await process.wait()
-            return
-        log_event("finalizer_unkillable", level=logging.ERROR, waited_s=2 * STOP_GRACE_S)
 
     async def _call(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
         """A request to the worker running now, waiting for one being started within
