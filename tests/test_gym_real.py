@@ -512,6 +512,8 @@ async def test_a_token_snapshot_is_retired_once_its_record_is_delivered_and_not_
         # finished, its answer (the document) not yet delivered.
         await until(lambda: _answered(real_gym, before["calls"] - before["running"] + 2), "")
         await until(lambda: _running(real_gym, before["running"] + 1), "the hanging call")
+        await until(lambda: _frozen(tokens / "46-0.tokens.state.json"), "the quick row finished")
+        await trio.sleep(1)  # time enough for a retire that would wrongly follow its finish
     # The caller left: its document is never delivered.
     await until(lambda: _disconnects(real_gym, before["disconnects"] + 1), "the cut")
     assert (tokens / "46-0.tokens.jsonl").exists()  # kept: the record never reached anyone
@@ -519,6 +521,15 @@ async def test_a_token_snapshot_is_retired_once_its_record_is_delivered_and_not_
     assert done.returncode == 0, done.stderr
     assert not (tokens / "46-0.tokens.jsonl").exists()  # delivered: retired
     assert (tokens / "48-0.tokens.incomplete").exists()  # a masked build keeps its evidence
+
+
+async def _frozen(state: Path) -> bool:
+    """Whether Gym's finalization froze this rollout's token snapshot (its record finished)."""
+
+    def read() -> bool:
+        return state.exists() and bool(json.loads(state.read_text()).get("frozen"))
+
+    return await trio.to_thread.run_sync(read)
 
 
 async def _answered(gym: RealGym, count: int) -> bool:
