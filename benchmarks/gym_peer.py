@@ -364,6 +364,8 @@ class Gym:
         venv = self.bin.parent
         scratch = scratch / ("gym-capture" if capture else "gym")
         scratch.mkdir()
+        self.scratch = scratch
+        """Its own folder: the collections on it name their files from 001 again."""
         venvs = scratch / "venvs"
         for server in SERVER_DIRS:
             (venvs / server).mkdir(parents=True)
@@ -898,7 +900,7 @@ def main() -> None:
                     f"affinities: {affinities}",
                     flush=True,
                 )
-                bench = Bench(args, scratch, stub, gym)
+                bench = Bench(args, gym.scratch, stub, gym)
                 mark = "" if capture == "off" else CAPTURED
                 for _ in range(args.runs):
                     for kind in COLLECTORS:
