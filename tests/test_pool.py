@@ -172,7 +172,8 @@ async def test_a_replacement_that_fails_to_start_loses_its_slot_not_the_pool(
             failed = {i for i, outcome in enumerate(outcomes) if isinstance(outcome, Exception)}
             assert failed == {run["id"] for run in hosts.runs() if run["pid"] == killed}
             assert_each_ran_once(hosts, 12)
-            await eventually(lambda: pool.ejected)
+            # Ejected first, then the replacement's failure is added once its start has failed.
+            await eventually(lambda: "replacement failed" in "".join(pool.ejected.values()))
             ((name, why),) = pool.ejected.items()
             assert why.startswith("its process is gone; its replacement failed: host local-2")
             assert "this image no longer starts" in why
