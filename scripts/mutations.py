@@ -221,16 +221,17 @@ MUTATIONS = [
     ),
     Mutation(
         "a body that died after the headers is retried (runs the examples twice)",
-        "trio_gym/trainer/client.py",
-        "        origin=Origin.PROXY,\n        retryable=False,\n        status=failure.status,\n    )",
-        "        origin=Origin.PROXY,\n        retryable=True,\n        status=failure.status,\n    )",
+        "trio_gym/trainer/answers.py",
+        "        reach=Reach.TAKEN,\n        suspect=True,\n        status=status,\n    )",
+        "        reach=Reach.UNREACHED,\n        suspect=True,\n        status=status,\n    )",
         ("tests/test_client.py::test_a_body_that_dies_after_the_headers_is_sent_exactly_once",),
     ),
     Mutation(
         "a connection that never landed is not retried",
         "trio_gym/trainer/client.py",
-        'return self.settings.http_version == "1.1" or isinstance(failure, ConnectFailed)',
-        "return False",
+        '        if self.settings.http_version == "1.1" or isinstance(failure, ConnectFailed):\n'
+        "            return Reach.UNREACHED",
+        "        if False:\n            return Reach.UNREACHED",
         ("tests/test_client.py::test_a_connection_that_never_landed_is_retried_with_backoff",),
     ),
     Mutation(
@@ -239,14 +240,16 @@ MUTATIONS = [
         "                    answers[index] = results\n"
         "                    self.progress.chunk_finished(index, results)\n"
         "                    return\n"
-        "            if not failure.retryable or attempt == attempts:\n"
+        "            unreached = failure.reach is Reach.UNREACHED and failure.origin is not Origin.SANDBOX\n"
+        "            if not unreached or attempt == attempts:\n"
         "                break\n"
         '            log_event("chunk_retrying", chunk=index, attempt=attempt, error=str(failure))\n'
         "            await trio.sleep(self.settings.backoff_s * attempt)",
         "                    answers[index] = results\n"
         "                    self.progress.chunk_finished(index, results)\n"
         "                    return\n"
-        "                if not failure.retryable or attempt == attempts:\n"
+        "                unreached = failure.reach is Reach.UNREACHED and failure.origin is not Origin.SANDBOX\n"
+        "                if not unreached or attempt == attempts:\n"
         "                    break\n"
         "                await trio.sleep(self.settings.backoff_s * attempt)",
         ("tests/test_client.py::test_backoff_is_slept_outside_the_concurrency_limit",),
@@ -385,10 +388,10 @@ MUTATIONS = [
     Mutation(
         "a stream cut before its done line taken as complete",
         "trio_gym/trainer/stream.py",
-        '                raise self._cut("the stream ended without its done line")',
+        '                raise await self._cut("the stream ended without its done line")',
         "                raise StopAsyncIteration",
         (
-            "tests/test_client_stream.py::test_a_stream_cut_before_its_done_line_is_a_proxy_failure_not_retried",
+            "tests/test_client_stream.py::test_a_stream_cut_before_its_done_line_is_named_as_run_names_a_cut_and_taken",
         ),
     ),
     Mutation(
@@ -1632,17 +1635,17 @@ MUTATIONS = [
     Mutation(
         "the pool re-sends a chunk its host had taken (#16)",
         "trio_gym/trainer/pool.py",
-        "        if _never_taken(error):",
-        "        if True:",
+        "        if error.reach is Reach.UNREACHED:",
+        "        if error.reach is not Reach.REFUSED:",
         (
             "tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",
         ),
     ),
     Mutation(
         "the pool takes a host's 503 for the chunk's answer (#16)",
-        "trio_gym/trainer/pool.py",
-        "    return error.retryable or (error.origin is Origin.SANDBOX and error.status == 503)",
-        "    return error.retryable",
+        "trio_gym/trainer/answers.py",
+        "                reach=Reach.UNREACHED if not_now else Reach.REFUSED,",
+        "                reach=Reach.REFUSED,",
         ("tests/test_pool.py::test_a_host_answering_503_gets_nothing_run_and_is_ejected",),
     ),
     Mutation(
@@ -1719,8 +1722,8 @@ MUTATIONS = [
     Mutation(
         "a dead answer does not make its host suspect (#16)",
         "trio_gym/trainer/pool.py",
-        "            if error.origin is Origin.PROXY:  # the answer died on the way: is the host alive?",
-        "            if False:",
+        "        if error.suspect:\n            self._suspect(member, error)",
+        "        if error.suspect and error.reach is Reach.UNREACHED:\n            self._suspect(member, error)",
         (
             "tests/test_pool.py::test_a_host_that_stalls_mid_batch_is_ejected_and_the_rest_carry_the_batch",
         ),
@@ -2174,6 +2177,172 @@ MUTATIONS = [
         "        key = capture_key_of({**row, ATTEMPT_KEY: 0})",
         (
             "tests/test_records.py::test_one_rollout_id_runs_once_at_a_time_while_its_captures_are_kept",
+        ),
+    ),
+    Mutation(
+        "a gateway that could not reach the host read as one that may have (#23)",
+        "trio_gym/trainer/gateways.py",
+        '    if isinstance(document, dict) and document.get("code") in _BACKEND_NEVER_REACHED_CODES:\n'
+        "        return True",
+        '    if isinstance(document, dict) and document.get("code") in _BACKEND_NEVER_REACHED_CODES:\n'
+        "        return False",
+        (
+            "tests/test_client.py::test_each_answer_is_named_and_taken_or_not_by_one_rule",
+            "tests/test_reach.py::test_a_gateway_that_cannot_reach_a_host_costs_no_chunk_and_the_host_is_ejected",
+            "tests/test_platforms_real.py::test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_container",
+        ),
+    ),
+    Mutation(
+        "a cut answer named without asking the host (#23)",
+        "trio_gym/trainer/answers.py",
+        "    if health.status is HealthStatus.READY:",
+        "    if True:",
+        (
+            "tests/test_client.py::test_each_answer_is_named_and_taken_or_not_by_one_rule",
+            "tests/test_client_stream.py::test_a_stream_cut_before_its_done_line_is_named_as_run_names_a_cut_and_taken",
+            "tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",
+        ),
+    ),
+    Mutation(
+        "a cut answer does not make its host suspect (#23)",
+        "trio_gym/trainer/answers.py",
+        "        reach=Reach.TAKEN,\n        suspect=True,\n        status=status,\n    )",
+        "        reach=Reach.TAKEN,\n        suspect=False,\n        status=status,\n    )",
+        (
+            "tests/test_reach.py::test_a_cut_answer_fails_its_chunk_once_and_its_host_is_probed_before_more_work",
+            "tests/test_client_stream.py::test_a_stream_cut_before_its_done_line_is_named_as_run_names_a_cut_and_taken",
+        ),
+    ),
+    Mutation(
+        "an unreached chunk failed by the pool instead of sent to another host (#23)",
+        "trio_gym/trainer/pool.py",
+        "        if error.reach is Reach.UNREACHED:",
+        "        if False:",
+        (
+            "tests/test_reach.py::test_a_gateway_that_cannot_reach_a_host_costs_no_chunk_and_the_host_is_ejected",
+            "tests/test_reach.py::test_a_stranger_at_a_hosts_address_is_refused_and_ejected_and_the_chunk_goes_on",
+        ),
+    ),
+    Mutation(
+        "the host serves a request carrying another host's identity (#23)",
+        "trio_gym/host/server.py",
+        "    if host.config.host_identity:\n        _check_identity(host.config.host_identity, head)",
+        "    pass",
+        (
+            "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
+            "tests/test_reach.py::test_a_second_host_on_the_first_ones_port_refuses_the_first_ones_caller",
+        ),
+    ),
+    Mutation(
+        "the refusal of another identity names the identity the host holds (#23)",
+        "trio_gym/host/server.py",
+        '                "host it launched",',
+        '                f"host it launched (this one is {identity})",',
+        (
+            "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
+        ),
+    ),
+    Mutation(
+        "a probe believes any host that answers ready (#23)",
+        "trio_gym/trainer/hosts.py",
+        "    if identity and held != identity_digest(identity):",
+        "    if False:",
+        (
+            "tests/test_reach.py::test_a_second_host_on_the_first_ones_port_refuses_the_first_ones_caller",
+        ),
+    ),
+    Mutation(
+        "a stranger at a host's address waits out max_host_failures (#23)",
+        "trio_gym/trainer/pool.py",
+        "            if health.status is HealthStatus.WRONG_HOST:",
+        "            if False:",
+        (
+            "tests/test_reach.py::test_a_stranger_at_a_hosts_address_is_refused_and_ejected_and_the_chunk_goes_on",
+        ),
+    ),
+    Mutation(
+        "a provider's host gets no identity (#23)",
+        "trio_gym/fleet/launch.py",
+        "        named = {IDENTITY_VARIABLE: identity} if identity else {}",
+        "        named = {}",
+        ("tests/test_pool.py::test_launched_hosts_hold_the_identity_their_handles_carry",),
+    ),
+    Mutation(
+        "OpenSandbox hosts all listen on one port of the shared network (#23)",
+        "trio_gym/fleet/opensandbox.py",
+        "        return next((p for p in self.ports if p not in self._ports_held and p not in tried), None)",
+        "        return next((p for p in self.ports if p not in tried), None)",
+        (
+            "tests/test_platforms_real.py::test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_container",
+        ),
+    ),
+    Mutation(
+        "OpenSandbox hosts listen on every interface of the machine (#23)",
+        "trio_gym/fleet/opensandbox.py",
+        '        listen = {"NMP_RUNTIME_HTTP_HOST": "127.0.0.1"} if self.host_network else {}',
+        "        listen = {}",
+        (
+            "tests/test_platforms_real.py::test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_container",
+        ),
+    ),
+    Mutation(
+        "a port something else holds fails the launch instead of the next port (#23)",
+        "trio_gym/fleet/opensandbox.py",
+        "                if _ADDRESS_IN_USE not in str(exc):",
+        "                if True:",
+        ("tests/test_platforms_real.py::test_a_port_something_else_holds_is_skipped_for_the_next",),
+    ),
+    Mutation(
+        "an OpenSandbox host's failure points at a log about to be deleted (#23)",
+        "trio_gym/fleet/opensandbox.py",
+        '        logs = await trio.to_thread.run_sync(sandbox.get_diagnostic_logs, "container")',
+        '        raise SandboxException("not read")',
+        (
+            "tests/test_platforms_real.py::test_an_opensandbox_hosts_own_start_failure_is_quoted_before_its_log_is_gone",
+        ),
+    ),
+    Mutation(
+        "the proxy's API key not carried on a host's requests (#23)",
+        "trio_gym/fleet/opensandbox.py",
+        "            headers.setdefault(API_KEY_HEADER, self._connection().get_api_key())",
+        "            pass",
+        (
+            "tests/test_opensandbox.py::test_hosts_run_in_sandboxes_and_are_killed_when_the_block_ends",
+            "tests/test_platforms_real.py::test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_container",
+        ),
+    ),
+    Mutation(
+        "a Docker host's failure without its log (#23)",
+        "trio_gym/fleet/docker.py",
+        '        return "the end of its output:\\n" + tail.rstrip()',
+        '        return "see docker logs"',
+        ("tests/test_platforms_real.py::test_a_docker_hosts_own_start_failure_is_quoted",),
+    ),
+    Mutation(
+        "Docker hosts on the host network listen on every interface (#23)",
+        "trio_gym/fleet/docker.py",
+        '            {"NMP_RUNTIME_HTTP_HOST": "127.0.0.1", "NMP_RUNTIME_HTTP_PORT": "0",',
+        '            {"NMP_RUNTIME_HTTP_HOST": "0.0.0.0", "NMP_RUNTIME_HTTP_PORT": "0",',
+        (
+            "tests/test_platforms_real.py::test_docker_hosts_serve_survive_a_killed_container_and_leave_nothing",
+        ),
+    ),
+    Mutation(
+        "a dead trainer's containers never swept (#23)",
+        "trio_gym/fleet/docker.py",
+        "            if _is_orphaned(owner)",
+        "            if False",
+        (
+            "tests/test_platforms_real.py::test_containers_of_a_trainer_killed_outright_are_swept_by_the_next",
+        ),
+    ),
+    Mutation(
+        "a Docker block's containers left when it ends (#23)",
+        "trio_gym/fleet/docker.py",
+        "            with trio.CancelScope(shield=True):\n                await self._remove(name, container, spec.stop_grace_s)",
+        "            pass",
+        (
+            "tests/test_platforms_real.py::test_docker_hosts_serve_survive_a_killed_container_and_leave_nothing",
         ),
     ),
 ]

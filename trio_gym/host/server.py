@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import logging
 import os
 import socket
@@ -26,6 +27,7 @@ from trio_gym.http import (
 )
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import path
+from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER
 
 from .control import answer_operation, answer_status, control_paths
 from .rollouts import answer_rollouts
@@ -98,6 +100,8 @@ def _route(host: Host, head: h11.Request, *, busy: bool) -> Handler:
     returns the handler rather than awaiting it: a frame less kept by every held batch.)"""
     if busy:
         raise _busy(host)
+    if host.config.host_identity:
+        _check_identity(host.config.host_identity, head)
     path = route_path(head.target)
     methods = ROUTES.get(path)
     if methods is None:
@@ -114,6 +118,22 @@ def _route(host: Host, head: h11.Request, *, busy: bool) -> Handler:
             headers=[("allow", allowed)],
         )
     return handler
+
+
+_IDENTITY_HEADER: Final = HOST_IDENTITY_HEADER.encode()
+
+
+def _check_identity(identity: str, head: h11.Request) -> None:
+    """Refuse a request meant for another host (its address was this one's before). Neither
+    value is named: the refusal would hand a stranger this host's identity."""
+    for name, value in head.headers:
+        if name == _IDENTITY_HEADER and not hmac.compare_digest(value, identity.encode()):
+            raise WireError(
+                ErrorCode.WRONG_HOST,
+                "this request carries another host's identity: the host it was meant for is "
+                "gone and this one now holds its address; ask that host's provider for the "
+                "host it launched",
+            )
 
 
 def _busy(host: Host) -> WireError:
