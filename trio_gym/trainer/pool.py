@@ -20,9 +20,10 @@ A host whose failure makes it suspect (an unreached chunk, a cut answer, a gatew
 takes no new chunk until it is probed on ``/health``: ``ready`` and it takes work again; a
 stranger at its address (``wrong_host``) is ejected at once; anything else counts as a failure,
 and ``max_host_failures`` failures without a chunk completed in between *eject* it. A launcher
-that says the host's process is gone ejects it at once. With a launcher, an ejected host is replaced (at most ``max_replacements``
-times in the pool's life); without one, or when replacing fails, its slot is gone. When no host
-is left, every chunk still queued fails, naming how each host ended.
+that says the host's process is gone ejects it at once. With a launcher, an ejected host is
+replaced (at most ``max_replacements`` times in the pool's life); without one, or when
+replacing fails, its slot is gone. When no host is left, every chunk still queued fails, naming
+how each host ended.
 """
 
 from __future__ import annotations
