@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
+from trio_gym.errors import raise_unwrapped
 from trio_gym.fleet.launch import HostSpec, Launches, new_identity, wait_ready
 from trio_gym.logs import log_event
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
@@ -210,17 +211,20 @@ class OpenSandboxProvider:
         try:
             with trio.CancelScope() as scope:
                 self._running[name] = _Sandbox(sandbox, scope)
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._renew_at_half_ttl, name, sandbox)
-                    handle = await wait_ready(
-                        name,
-                        locate=partial(self._locate, name, sandbox, spec, port, identity),
-                        ended=partial(_ended, sandbox),
-                        log_tail=partial(_log_tail, sandbox),
-                        timeout_s=spec.ready_timeout_s,
-                        poll_interval_s=self.poll_interval_s,
-                    )
-                    task_status.started(handle)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._renew_at_half_ttl, name, sandbox)
+                        handle = await wait_ready(
+                            name,
+                            locate=partial(self._locate, name, sandbox, spec, port, identity),
+                            ended=partial(_ended, sandbox),
+                            log_tail=partial(_log_tail, sandbox),
+                            timeout_s=spec.ready_timeout_s,
+                            poll_interval_s=self.poll_interval_s,
+                        )
+                        task_status.started(handle)
+                except ExceptionGroup as group:  # a failed start as itself: a port may be retried
+                    raise_unwrapped(group, alike=LaunchFailed)
         finally:
             self._running.pop(name, None)
             # Shielded so a cancelled block still kills it; bounded by the SDK's request timeout.
