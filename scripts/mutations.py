@@ -390,7 +390,7 @@ MUTATIONS = [
     Mutation(
         "a stream cut before its done line taken as complete",
         "trio_gym/trainer/stream.py",
-        '                raise await self._cut("the stream ended without its done line")',
+        '                what = "the stream ended without its done line"',
         "                raise StopAsyncIteration",
         (
             "tests/test_client_stream.py::test_a_stream_cut_before_its_done_line_is_named_as_run_names_a_cut_and_taken",
@@ -2197,7 +2197,7 @@ MUTATIONS = [
     Mutation(
         "a cut answer named without asking the host (#23)",
         "trio_gym/trainer/answers.py",
-        "    if health.status is HealthStatus.READY:",
+        "    if health.status in _ALIVE:",
         "    if True:",
         (
             "tests/test_client.py::test_each_answer_is_named_and_taken_or_not_by_one_rule",

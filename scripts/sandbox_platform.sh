@@ -6,8 +6,8 @@
 #   sandbox_platform.sh start STATE   # STATE: a new, short directory (sockets live in it)
 #   sandbox_platform.sh stop STATE    # stops what start started, by PID; safe to repeat
 #
-# start writes STATE/env (KEY=VALUE lines) for the suite: DOCKER_HOST, TRIO_GYM_HOST_IMAGE,
-# OPEN_SANDBOX_DOMAIN, OPEN_SANDBOX_API_KEY. Slow pieces are cached outside the checkout, in
+# start writes STATE/env (KEY=VALUE lines) for the suite, which reads it from
+# TRIO_GYM_PLATFORM_ENV: DOCKER_HOST, TRIO_GYM_HOST_IMAGE, OPEN_SANDBOX_DOMAIN, OPEN_SANDBOX_API_KEY. Slow pieces are cached outside the checkout, in
 # ${TRIO_GYM_CACHE:-~/.cache/trio-gym}/platform: Debian's packages once per machine, the
 # debootstrap root file system, the daemon's images, opensandbox-server's venv.
 # Exit 3: this machine cannot have the platform (not root, no apt-get); the suite then skips,
@@ -46,6 +46,7 @@ stop() {
     fi
     rm -f "$state/docker.pid"
   fi
+  rm -rf "$state"  # the server's key and database with it
 }
 
 wait_for() {  # wait_for SECONDS WHAT COMMAND...
@@ -110,7 +111,7 @@ start() {
 
   # OpenSandbox's execd cannot be built here: a stand-in that answers its readiness /ping.
   docker build -q --network none -t "$EXECD_IMAGE" -f "$ROOT/tests/platform/execd.Dockerfile" \
-    "$ROOT/tests/platform" >/dev/null
+    "$ROOT/tests/platform" >"$state/build.log" 2>&1 || { tail -20 "$state/build.log" >&2; exit 1; }
 
   # The checkout's wheel and its dependencies', built here (pip in a build has no TLS here).
   local context="$state/host-image"
@@ -119,7 +120,7 @@ start() {
     { tail -20 "$state/wheels.log" >&2; exit 1; }
   cp "$ROOT/scripts/gym_host.sh" "$ROOT/tests/platform/host.Dockerfile" "$context/"
   docker build -q --network none -t "$HOST_IMAGE" -f "$context/host.Dockerfile" "$context" \
-    >/dev/null
+    >>"$state/build.log" 2>&1 || { tail -20 "$state/build.log" >&2; exit 1; }
 
   local venv="$CACHE/opensandbox-$OPENSANDBOX_VERSION"
   if [[ ! -x "$venv/bin/opensandbox-server" ]]; then

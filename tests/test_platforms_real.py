@@ -1,14 +1,14 @@
 """Hosts launched on real sandbox platforms: a real Docker daemon (no bridge: every address is
 loopback) and a real opensandbox-server 1.1.1 on it, every OpenSandbox call through the server's
-own proxy. ``scripts/sandbox_platform.sh`` provides them (``.ci/run`` starts it and exports what
-it wrote); without them the suite is skipped, saying so. Real processes and sockets: the real
-clock.
+own proxy. ``scripts/sandbox_platform.sh`` provides them (``.ci/run`` starts it and names the
+file it wrote in ``TRIO_GYM_PLATFORM_ENV``: read here, never exported, so no other test's hosts
+inherit the server's key); without them the suite is skipped, saying so. Real processes and
+sockets: the real clock.
 
 Each test counts what it leaves behind: no container, no sandbox."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -28,15 +28,25 @@ from trio_gym.trainer.pool import HostPool, PoolSettings
 
 pytestmark = pytest.mark.platform
 
-IMAGE = os.environ.get("TRIO_GYM_HOST_IMAGE", "")
-DOCKER = os.environ.get("DOCKER_HOST", "")
-OPENSANDBOX = os.environ.get("OPEN_SANDBOX_DOMAIN", "")
+
+def _platform() -> dict[str, str]:
+    path = os.environ.get("TRIO_GYM_PLATFORM_ENV", "")
+    if not path or not Path(path).is_file():
+        return {}
+    return dict(line.split("=", 1) for line in Path(path).read_text().splitlines() if "=" in line)
+
+
+PLATFORM = _platform()
+IMAGE = PLATFORM.get("TRIO_GYM_HOST_IMAGE", "")
+DOCKER = PLATFORM.get("DOCKER_HOST", "")
+OPENSANDBOX = PLATFORM.get("OPEN_SANDBOX_DOMAIN", "")
+API_KEY = PLATFORM.get("OPEN_SANDBOX_API_KEY", "")
 HANG_GUARD_S = 300
 
 needs_docker = pytest.mark.skipif(
     not (IMAGE and DOCKER),
     reason="no real Docker daemon and host image: .ci/run starts them "
-    "(scripts/sandbox_platform.sh start DIR, then export DIR/env)",
+    "(scripts/sandbox_platform.sh start DIR; TRIO_GYM_PLATFORM_ENV=DIR/env)",
 )
 needs_opensandbox = pytest.mark.skipif(
     not (IMAGE and DOCKER and OPENSANDBOX),
@@ -46,7 +56,7 @@ needs_opensandbox = pytest.mark.skipif(
 
 def docker(*args: str) -> str:
     return subprocess.run(
-        ["docker", *args], check=True, capture_output=True, text=True, timeout=60
+        ["docker", "--host", DOCKER, *args], check=True, capture_output=True, text=True, timeout=60
     ).stdout
 
 
@@ -125,7 +135,7 @@ def assert_only_the_killed_hosts_taken_chunks_failed(
 async def test_docker_hosts_serve_survive_a_killed_container_and_leave_nothing(
     no_containers_left: None,
 ) -> None:
-    provider = DockerProvider(image=IMAGE, poll_interval_s=0.2)
+    provider = DockerProvider(image=IMAGE, docker_host=DOCKER, poll_interval_s=0.2)
     with trio.fail_after(HANG_GUARD_S):
         async with (
             provider.hosts(3, spec(stop_grace_s=2)) as handles,
@@ -148,7 +158,7 @@ async def test_docker_hosts_serve_survive_a_killed_container_and_leave_nothing(
             assert victim_container is not None
 
             async def kill() -> None:
-                await trio.run_process(["docker", "kill", victim_container], capture_stdout=True)
+                await trio.run_process(["docker", "--host", DOCKER, "kill", victim_container])
 
             outcomes = await run_and_kill(pool, examples(40, think_s=0.5), kill, after_s=1.5)
             assert_only_the_killed_hosts_taken_chunks_failed(outcomes, victim.name, most=4)
@@ -161,7 +171,7 @@ async def test_docker_hosts_serve_survive_a_killed_container_and_leave_nothing(
 
 @needs_docker
 async def test_a_docker_hosts_own_start_failure_is_quoted(no_containers_left: None) -> None:
-    provider = DockerProvider(image=IMAGE, poll_interval_s=0.2)
+    provider = DockerProvider(image=IMAGE, docker_host=DOCKER, poll_interval_s=0.2)
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -186,7 +196,7 @@ async def test_containers_of_a_trainer_killed_outright_are_swept_by_the_next(
     no_containers_left: None,
 ) -> None:
     # A container labelled as a dead trainer's of this machine (a pid that is no process now).
-    machine_owner = DockerProvider(image=IMAGE)
+    machine_owner = DockerProvider(image=IMAGE, docker_host=DOCKER)
     from trio_gym.fleet.docker import _machine  # the label's machine part, as a trainer writes it
 
     orphan = docker(
@@ -213,16 +223,19 @@ def opensandbox_provider(**settings: Any) -> Any:
     return OpenSandboxProvider(
         image=IMAGE,
         entrypoint=["bash", "/opt/trio-gym/gym_host.sh", "/opt/venv/bin/python"],
+        domain=OPENSANDBOX,
+        api_key=API_KEY,
         poll_interval_s=0.3,
         **settings,
     )
 
 
 def live_sandboxes() -> list[str]:
+    from opensandbox.config import ConnectionConfigSync
     from opensandbox.models.sandboxes import SandboxFilter
     from opensandbox.sync import SandboxManagerSync
 
-    manager = SandboxManagerSync.create()
+    manager = SandboxManagerSync.create(ConnectionConfigSync(domain=OPENSANDBOX, api_key=API_KEY))
     try:
         found = manager.list_sandbox_infos(SandboxFilter(states=["Pending", "Running"]))
         return [info.id for info in found.sandbox_infos]
@@ -270,7 +283,7 @@ async def test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_co
             assert len(victim_containers) == 1
 
             async def kill() -> None:
-                await trio.run_process(["docker", "kill", *victim_containers], capture_stdout=True)
+                await trio.run_process(["docker", "--host", DOCKER, "kill", *victim_containers])
 
             outcomes = await run_and_kill(pool, examples(40, think_s=0.5), kill, after_s=1.5)
             assert_only_the_killed_hosts_taken_chunks_failed(outcomes, victim.name, most=4)
@@ -310,15 +323,19 @@ async def test_an_opensandbox_hosts_own_start_failure_is_quoted_before_its_log_i
 
 @needs_opensandbox
 async def test_a_port_something_else_holds_is_skipped_for_the_next() -> None:
-    with socket.socket() as held:
+    with socket.socket() as held, socket.socket() as freed:
         held.bind(("127.0.0.1", 0))
         held.listen()
         port = held.getsockname()[1]
-        free = port + 1
+        freed.bind(("127.0.0.1", 0))
+        free = freed.getsockname()[1]
+        freed.close()  # free now, and no one else's to take meanwhile but by chance
         provider = opensandbox_provider(ports=[port, free])
         with trio.fail_after(HANG_GUARD_S):
             async with provider.hosts(1, spec()) as (handle,):
                 assert f"/proxy/{free}" in handle.url
                 client = RolloutClient(handle.url, headers=handle.headers, identity=handle.identity)
                 assert len(await client.run(examples(2, 0.05))) == 2
-    assert json.dumps(live_sandboxes()) == "[]"
+    with trio.fail_after(60):
+        while live_sandboxes() or sandbox_containers():  # noqa: ASYNC110 (the server's state)
+            await trio.sleep(0.5)

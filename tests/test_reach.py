@@ -167,8 +167,8 @@ async def test_a_second_host_on_the_first_ones_port_refuses_the_first_ones_calle
     stranger_identity: str | None,
 ) -> None:
     """A sandbox dies and another job's host gets its address: the first host's caller is
-    refused (or, by a host launched without an identity, found out by its /health), never
-    served a stranger's results."""
+    refused by a stranger with an identity, and a probe finds out one without (README: such a
+    stranger answers what reaches it before the probe)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     first = HostHandle("first", url, identity="ours")

@@ -1,5 +1,7 @@
-"""Hosts as Docker containers, through the ``docker`` command (any daemon it reaches:
-``DOCKER_HOST`` or its context).
+"""Hosts as Docker containers, through the ``docker`` command (the daemon it reaches:
+``DOCKER_HOST``, ``docker_host=``, or its context). On the ``host`` network the hosts are reached
+at 127.0.0.1, so the daemon must be this machine's; a remote daemon needs another network, whose
+published ports are reached at ``publish_address``.
 
 Each host is one container of ``image`` (whose entrypoint starts ``trio-gym serve``, as
 ``scripts/gym_host.sh`` does), given the spec's environment through an env file (never on a
@@ -71,6 +73,7 @@ class DockerProvider:
         *,
         image: str,
         docker: str = "docker",
+        docker_host: str | None = None,
         network: str = "host",
         publish_address: str = "127.0.0.1",
         container_port: int = 8080,
@@ -80,6 +83,9 @@ class DockerProvider:
     ) -> None:
         self.image = image
         self.docker = docker
+        self._environment = (
+            None if docker_host is None else {**os.environ, "DOCKER_HOST": docker_host}
+        )
         self.network = network
         self.publish_address = publish_address
         self.container_port = container_port
@@ -98,9 +104,13 @@ class DockerProvider:
             await self.sweep()
         except DockerFailed as exc:
             raise LaunchFailed(f"the Docker daemon cannot be used: {exc}") from exc
-        async with self._launches.block():
-            self._spec = spec
-            yield await self._launches.start_many(n, self._run_host)
+        try:
+            async with self._launches.block():
+                self._spec = spec
+                yield await self._launches.start_many(n, self._run_host)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._remove_leftovers()
 
     def container_id(self, handle: HostHandle) -> str | None:
         running = self._running.get(handle.name)
@@ -141,6 +151,21 @@ class DockerProvider:
             await self._docker("rm", "-f", *orphans)
             log_event("containers_swept", level=logging.WARNING, containers=orphans)
         return orphans
+
+    async def _remove_leftovers(self) -> None:
+        """Every container of this launch still there once each host's own removal ran (one
+        whose removal failed, say): the block leaves none. Logged, never raised."""
+        try:
+            left = (
+                await self._docker(
+                    "ps", "-aq", "--filter", f"label={LAUNCH_LABEL}={self.launch_id}"
+                )
+            ).split()
+            if left:
+                await self._docker("rm", "--force", *left)
+                log_event("containers_left_removed", level=logging.WARNING, containers=left)
+        except DockerFailed as exc:
+            log_event("container_remove_failed", level=logging.ERROR, error=str(exc))
 
     async def _run_host(
         self, name: str, *, task_status: trio.TaskStatus[HostHandle] = trio.TASK_STATUS_IGNORED
@@ -189,9 +214,11 @@ class DockerProvider:
             os.chmod(file.name, 0o600)
             file.write("".join(f"{key}={value}\n" for key, value in environment.items()))
             file.flush()
+            container_name = f"trio-gym-{self.launch_id[:12]}-{name}"
             try:
                 output = await self._docker(
-                    "run", "--detach", "--network", self.network, *publish,
+                    "run", "--detach", "--name", container_name,
+                    "--network", self.network, *publish,
                     "--env-file", file.name,
                     "--label", f"{OWNER_LABEL}={_owner()}",
                     "--label", f"{LAUNCH_LABEL}={self.launch_id}",
@@ -199,6 +226,9 @@ class DockerProvider:
                     self.image, *spec.serve_args,
                 )  # fmt: skip
             except DockerFailed as exc:
+                # It may exist all the same (created, then failed to start; a timed-out call).
+                with contextlib.suppress(DockerFailed):
+                    await self._docker("rm", "--force", container_name)
                 raise LaunchFailed(f"host {name}: its container did not start: {exc}") from exc
         container = output.strip().splitlines()[-1]
         log_event("container_started", host=name, container=container[:12])
@@ -228,7 +258,11 @@ class DockerProvider:
         )
 
     async def _ended(self, container: str) -> str | None:
-        state = await self._state(container)
+        try:
+            state = await self._state(container)
+        except DockerFailed as exc:  # the daemon cannot say now: the ready timeout bounds it
+            log_event("container_state_unknown", container=container[:12], error=str(exc))
+            return None
         if state.startswith(("running", "created")):
             return None
         return f"(container {container[:12]}) is {state}"
@@ -275,7 +309,11 @@ class DockerProvider:
         with trio.move_on_after(self.command_timeout_s) as bound:
             try:
                 result = await trio.run_process(
-                    [self.docker, *args], capture_stdout=True, capture_stderr=True, check=False
+                    [self.docker, *args],
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                    env=self._environment,
                 )
             except OSError as exc:  # no such command, not executable
                 raise DockerFailed(f"cannot run {self.docker!r}: {exc}") from exc
@@ -310,11 +348,16 @@ def _read_tar_member(archive: bytes) -> str:
 
 
 def _machine() -> str:
+    """This machine and pid namespace: pids mean something only within one."""
+    machine = socket.gethostname()
     for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
         with contextlib.suppress(OSError):
-            if machine := Path(path).read_text().strip():
-                return machine
-    return socket.gethostname()
+            if found := Path(path).read_text().strip():
+                machine = found
+                break
+    with contextlib.suppress(OSError):
+        machine += ":" + os.readlink("/proc/self/ns/pid").strip("pid:[]")
+    return machine
 
 
 def _started(pid: int) -> str | None:
@@ -335,8 +378,8 @@ def _is_orphaned(owner: str) -> bool:
     """Whether ``owner`` (an :data:`OWNER_LABEL`) is a trainer of this machine that is gone."""
     machine, _, rest = owner.partition("/")
     pid, _, started = rest.partition("/")
-    if machine != _machine() or not pid.isdigit():
-        return False  # another machine's, or not ours to judge
+    if machine != _machine() or not pid.isdigit() or not started.isdigit():
+        return False  # another machine's or namespace's, or no start time to judge by
     return _started(int(pid)) != started
 
 

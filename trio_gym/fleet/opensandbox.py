@@ -301,8 +301,14 @@ class OpenSandboxProvider:
 
     async def _locate(
         self, name: str, sandbox: SandboxSync, spec: HostSpec, port: int, identity: str
-    ) -> HostHandle:
-        endpoint = await trio.to_thread.run_sync(sandbox.get_endpoint, port)
+    ) -> HostHandle | None:
+        from opensandbox.exceptions import SandboxException
+
+        try:
+            endpoint = await trio.to_thread.run_sync(sandbox.get_endpoint, port)
+        except SandboxException as exc:  # asked again at the next poll
+            log_event("sandbox_endpoint_unknown", host=name, error=str(exc))
+            return None
         address = endpoint.endpoint
         url = address if "://" in address else f"http://{address}"
         if not url.startswith("http://"):
@@ -339,7 +345,13 @@ def _state(sandbox: SandboxSync) -> str:
 
 
 async def _ended(sandbox: SandboxSync) -> str | None:
-    info = await trio.to_thread.run_sync(sandbox.get_info)
+    from opensandbox.exceptions import SandboxException
+
+    try:
+        info = await trio.to_thread.run_sync(sandbox.get_info)
+    except SandboxException as exc:  # the server cannot say now: the ready timeout bounds it
+        log_event("sandbox_state_unknown", sandbox=sandbox.id, error=str(exc))
+        return None
     if info.status.state in ALIVE_STATES:
         return None
     why = ": ".join(part for part in (info.status.reason, info.status.message) if part)

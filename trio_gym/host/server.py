@@ -98,10 +98,10 @@ def _all_methods() -> str:
 def _route(host: Host, head: h11.Request, *, busy: bool) -> Handler:
     """The handler of ``head``'s path and method; raises the refusal when there is none. (It
     returns the handler rather than awaiting it: a frame less kept by every held batch.)"""
+    if host.config.host_identity:  # before busy: a busy stranger is still a stranger
+        _check_identity(host.config.host_identity, head)
     if busy:
         raise _busy(host)
-    if host.config.host_identity:
-        _check_identity(host.config.host_identity, head)
     path = route_path(head.target)
     methods = ROUTES.get(path)
     if methods is None:
@@ -147,8 +147,8 @@ def _busy(host: Host) -> WireError:
 
 async def _refuse(host: Host, conn: HttpConnection, error: WireError, *, busy: bool) -> None:
     """Answer a refusal of any kind, in one place. Whatever the head held, an over-cap
-    connection hears the same answer."""
-    refusal = _busy(host) if busy else error
+    connection hears the same answer — but a caller of another host hears that it is."""
+    refusal = _busy(host) if busy and error.code is not ErrorCode.WRONG_HOST else error
     log_event("refused", status=refusal.status, code=refusal.code.value, reason=refusal.message)
     await send_json(conn, refusal.status, refusal.envelope(), headers=refusal.headers)
 

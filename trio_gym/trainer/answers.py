@@ -15,11 +15,17 @@ from .gateways import GATEWAY_STATUSES, backend_never_reached
 from .hosts import HealthStatus, HostHandle, probe
 
 # The host's refusals that mean "not now, not this host": the request was not admitted and
-# another host (or this one later) may take it; the first four also say the host may be going.
-HOST_UNWELL: frozenset[str] = frozenset(
-    {ErrorCode.NOT_READY, ErrorCode.BOOTSTRAP_FAILED, ErrorCode.SHUTTING_DOWN, ErrorCode.WRONG_HOST}
+# another host (or this one later) may take it.
+HOST_NOT_NOW: frozenset[str] = frozenset(
+    {
+        ErrorCode.NOT_READY,
+        ErrorCode.BOOTSTRAP_FAILED,
+        ErrorCode.SHUTTING_DOWN,
+        ErrorCode.WRONG_HOST,
+        ErrorCode.HOST_BUSY,
+        ErrorCode.ADMISSION_CLOSED,
+    }
 )
-HOST_NOT_NOW: frozenset[str] = HOST_UNWELL | {ErrorCode.HOST_BUSY, ErrorCode.ADMISSION_CLOSED}
 
 
 def _nested_error(document: Any) -> tuple[str, str] | None:
@@ -36,9 +42,11 @@ def is_cut(status: int, body: bytes) -> bool:
     return 200 <= status < 300 and not body.strip()
 
 
-def decode_response(status: int, body: bytes) -> list[Any]:
+def decode_response(status: int, body: bytes, *, page_reach: Reach = Reach.UNREACHED) -> list[Any]:
     """Turn one whole response into the chunk's results, or raise the :class:`RolloutError` for
-    it. A cut answer (:func:`is_cut`) is the caller's to name: it asks the host first."""
+    it. A cut answer (:func:`is_cut`) is the caller's to name: it asks the host first.
+    ``page_reach`` is what a proxy's unrecognised page means: unreached over HTTP/1.1 (the host
+    would have sent its head), taken over 1.0 (a buffering proxy's page may hide a batch run)."""
     try:
         document, parsed = json.loads(body.decode("utf-8")), True
     except (ValueError, RecursionError):  # not UTF-8 (a ValueError), not JSON, or absurdly deep
@@ -53,7 +61,7 @@ def decode_response(status: int, body: bytes) -> list[Any]:
                 f"the host refused the request with HTTP {status} {code}: {message}",
                 origin=Origin.CLIENT if too_large else Origin.SANDBOX,
                 reach=Reach.UNREACHED if not_now else Reach.REFUSED,
-                suspect=code in HOST_UNWELL,
+                suspect=not_now,  # probed before it gets more: no tight loop of re-sends
                 status=status,
                 code=code,
             )
@@ -86,8 +94,8 @@ def decode_response(status: int, body: bytes) -> list[Any]:
         raise RolloutError(
             f"HTTP {status} with a body the host never sends (a proxy's page?): {quote_body(body)}",
             origin=Origin.PROXY,
-            reach=Reach.UNREACHED,
-            suspect=status in GATEWAY_STATUSES,
+            reach=page_reach,
+            suspect=True,
             status=status,
         )
     if not parsed:
@@ -117,6 +125,12 @@ def decode_response(status: int, body: bytes) -> list[Any]:
     return results
 
 
+# What a host that still runs answers (a restarted one says it is starting: its batch died).
+_ALIVE: frozenset[HealthStatus] = frozenset(
+    {HealthStatus.READY, HealthStatus.BUSY, HealthStatus.SHUTTING_DOWN, HealthStatus.FAILED}
+)
+
+
 async def named_cut(
     host: HostHandle,
     what: str,
@@ -127,19 +141,20 @@ async def named_cut(
     limits: HttpLimits,
 ) -> RolloutError:
     """The error of an answer cut after the host took the chunk (``what`` says how it ended),
-    its origin decided by asking the host: gone means it died mid-batch; alive means something
-    between cut the answer. Either way it is never re-sent."""
+    its origin decided by asking the host: gone (or restarted) means it died mid-batch; alive
+    means something between cut the answer. Either way it is never re-sent."""
     health = await probe(host, timeout_s=timeout_s, opener=opener, limits=limits)
-    if health.status is HealthStatus.READY:
+    if health.status in _ALIVE:
         where = (
             f"while the host still answers (GET /health: {health.detail}): something between "
-            "cut the answer (a proxy's idle timeout, a restart, a dropped connection)"
+            "cut the answer — look at the proxy's idle timeout (OpenSandbox's is 180 s without a "
+            "byte) and its log, or a dropped connection"
         )
         origin = Origin.PROXY
     else:
         where = (
-            f"and the host is gone (GET /health: {health.detail}): it stopped answering "
-            "mid-batch (killed, out of memory, evicted)"
+            f"and the host is gone or restarted (GET /health: {health.detail}): it stopped "
+            "mid-batch — look at its platform for why (killed, out of memory, evicted)"
         )
         origin = Origin.SANDBOX
     return RolloutError(

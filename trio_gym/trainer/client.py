@@ -270,6 +270,7 @@ class RolloutClient:
         payload = self.encode_request(examples, row_offset=row_offset)
         heard = _Heard(on_heartbeat)
         started = trio.current_time()
+        cut: tuple[str, int] | None = None  # named once out of the deadline: the probe is ours
         with RequestDeadline(self.deadlines, self.settings.request_deadline_s).waiting():
             try:
                 response = await exchange(
@@ -291,25 +292,30 @@ class RolloutClient:
             except BodyFailed as exc:
                 if exc.too_large:
                     raise _too_large(exc) from exc
-                cut = await self.cut(f"{exc} ({heard.heartbeats} heartbeat(s) in)", exc.status)
-                raise cut from exc
-            if is_cut(response.status, response.body):
+                cut = (f"{exc} ({heard.heartbeats} heartbeat(s) in)", exc.status)
+            else:
+                if not is_cut(response.status, response.body):
+                    return self._results(response.status, response.body, len(examples))
                 elapsed = trio.current_time() - started
-                raise await self.cut(
+                cut = (
                     f"HTTP {response.status} with only heartbeat whitespace "
                     f"({len(response.body)} bytes, {elapsed:.0f} s)",
                     response.status,
                 )
-            results = decode_response(response.status, response.body)
-            if len(results) != len(examples):
-                raise RolloutError(
-                    f"the host returned {len(results)} results for {len(examples)} examples",
-                    origin=Origin.SANDBOX,
-                    reach=Reach.TAKEN,
-                    status=response.status,
-                )
-            return results
+        if cut is not None:
+            raise await self.cut(*cut)
         raise _deadline_passed(self.settings.request_deadline_s, self.endpoint, heard, self)
+
+    def _results(self, status: int, body: bytes, expected: int) -> list[Any]:
+        results = decode_response(status, body, page_reach=self.unanswered_reach())
+        if len(results) != expected:
+            raise RolloutError(
+                f"the host returned {len(results)} results for {expected} examples",
+                origin=Origin.SANDBOX,
+                reach=Reach.TAKEN,
+                status=status,
+            )
+        return results
 
     def unanswered_reach(self, failure: NoResponse | None = None) -> Reach:
         """Whether a chunk with no response head was taken (the module docstring's (*))."""

@@ -68,6 +68,8 @@ class HealthStatus(enum.StrEnum):
     """An answer that is not a trio_gym ``/health`` document (a proxy's page)."""
     WRONG_HOST = "wrong_host"
     """A host answers at the address, but not the one launched there (the address was reused)."""
+    BUSY = "busy"
+    """The host answers, but is serving its maximum of connections (``host_busy``)."""
 
 
 @attrs.frozen
@@ -114,6 +116,8 @@ def read_health(status: int, body: bytes, *, identity: str = "") -> Health:
         document = None
     if isinstance(document, dict) and _refusal_code(document) == ErrorCode.WRONG_HOST:
         return Health(HealthStatus.WRONG_HOST, f"HTTP {status}: another host answers here")
+    if isinstance(document, dict) and _refusal_code(document) == ErrorCode.HOST_BUSY:
+        return Health(HealthStatus.BUSY, f"HTTP {status}: serving its maximum of connections")
     try:
         word = HealthStatus(document["status"])
     except (ValueError, TypeError, KeyError):

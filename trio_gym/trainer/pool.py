@@ -416,6 +416,9 @@ class HostPool:
             if health.status is HealthStatus.WRONG_HOST:
                 self._eject(member, f"its address now answers for another host: {health.detail}")
                 return
+            if health.status is HealthStatus.BUSY:  # alive, and full: no failure, ask again
+                await trio.sleep(settings.probe_interval_s)
+                continue
             member.failures += 1
             member.last_error = RolloutError(
                 f"GET /health: {health.detail}", origin=Origin.SANDBOX, reach=Reach.REFUSED

@@ -205,19 +205,21 @@ class RowStream:
     async def _read_more(self) -> None:
         assert self._exchange is not None and self._head is not None and self._deadline
         settings = self._client.settings
+        # A cut is named once out of the deadline's scope: the probe that names it is ours.
+        what = f"no done line within {settings.request_deadline_s:g} s (request_deadline_s)"
         with self._deadline.waiting():
             try:
                 data = await self._exchange.next_data(
                     self._head, idle_timeout_s=settings.idle_timeout_s
                 )
             except BodyFailed as exc:
-                raise await self._cut(str(exc)) from exc
-            if data is None:
-                raise await self._cut("the stream ended without its done line")
-            self._buffer += data
-            return
-        waited = settings.request_deadline_s
-        raise await self._cut(f"no done line within {waited:g} s (request_deadline_s)")
+                what = str(exc)
+            else:
+                if data is not None:
+                    self._buffer += data
+                    return
+                what = "the stream ended without its done line"
+        raise await self._cut(what)
 
     async def _cut(self, what: str) -> RolloutError:
         assert self._head is not None
