@@ -2358,6 +2358,47 @@ MUTATIONS = [
             "tests/test_platforms_real.py::test_docker_hosts_serve_survive_a_killed_container_and_leave_nothing",
         ),
     ),
+    Mutation(
+        "a busy host's chunk put back without a probe (re-sent in a tight loop) (#23)",
+        "trio_gym/trainer/answers.py",
+        "                suspect=not_now,  # probed before it gets more: no tight loop of re-sends",
+        "                suspect=False,",
+        (
+            "tests/test_reach.py::test_a_busy_host_is_probed_not_sent_the_same_chunk_again_and_not_ejected",
+        ),
+    ),
+    Mutation(
+        "a probe that hears busy counts a failure (a full host ejected) (#23)",
+        "trio_gym/trainer/pool.py",
+        "            if health.status is HealthStatus.BUSY:",
+        "            if False:",
+        (
+            "tests/test_reach.py::test_a_busy_host_is_probed_not_sent_the_same_chunk_again_and_not_ejected",
+        ),
+    ),
+    Mutation(
+        "a cut while the host is busy or restarted misnamed (only ready counts as alive) (#23)",
+        "trio_gym/trainer/answers.py",
+        "    {HealthStatus.READY, HealthStatus.BUSY, HealthStatus.SHUTTING_DOWN, HealthStatus.FAILED}",
+        "    {HealthStatus.READY, HealthStatus.STARTING}",
+        ("tests/test_client.py::test_each_answer_is_named_and_taken_or_not_by_one_rule",),
+    ),
+    Mutation(
+        "over HTTP/1.0 a proxy's page re-sent (a batch it hid runs twice) (#23)",
+        "trio_gym/trainer/client.py",
+        "        results = decode_response(status, body, page_reach=self.unanswered_reach())",
+        "        results = decode_response(status, body)",
+        (
+            "tests/test_client.py::test_over_http_10_a_proxys_page_may_hide_a_batch_that_ran_so_it_is_taken",
+        ),
+    ),
+    Mutation(
+        "a label without a start time judged orphaned (Docker Desktop: every trainer's swept) (#23)",
+        "trio_gym/fleet/docker.py",
+        "    if machine != _machine() or not pid.isdigit() or not started.isdigit():",
+        "    if machine != _machine() or not pid.isdigit():",
+        ("tests/test_docker_provider.py::test_only_this_machines_dead_trainers_own_orphans",),
+    ),
 ]
 
 

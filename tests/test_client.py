@@ -145,6 +145,7 @@ HTML_502 = (
 
 
 HEALTH_READY = json_response(200, b'{"status": "ready"}')
+HEALTH_STARTING = json_response(503, b'{"status": "starting", "stage": "installing"}')
 HEARTBEATS_ONLY = chunked_response(b" ", b" ", b" ")
 DIED = chunked_response(b" ", b" ", b'{"results": [', end=False)
 OPENSANDBOX_GONE = json_response(
@@ -166,6 +167,7 @@ HOST_NOT_READY = json_response(
     503, b'{"error": {"code": "not_ready", "message": "installing the environment"}}'
 )
 HOST_WRONG = json_response(421, b'{"error": {"code": "wrong_host", "message": "another host"}}')
+HOST_BUSY = json_response(503, b'{"error": {"code": "host_busy", "message": "at its maximum"}}')
 
 
 @pytest.mark.parametrize(
@@ -189,6 +191,8 @@ HOST_WRONG = json_response(421, b'{"error": {"code": "wrong_host", "message": "a
         (HEARTBEATS_ONLY, CannedHost.REFUSE, Origin.SANDBOX, Reach.TAKEN, "the host is gone"),
         (HEARTBEATS_ONLY, OPENSANDBOX_GONE, Origin.SANDBOX, Reach.TAKEN, "the host is gone"),
         (HEARTBEATS_ONLY, HEALTH_READY, Origin.PROXY, Reach.TAKEN, "still answers"),
+        (HEARTBEATS_ONLY, HOST_BUSY, Origin.PROXY, Reach.TAKEN, "still answers"),
+        (HEARTBEATS_ONLY, HEALTH_STARTING, Origin.SANDBOX, Reach.TAKEN, "gone or restarted"),
         (DIED, CannedHost.REFUSE, Origin.SANDBOX, Reach.TAKEN, "the host is gone"),
         (DIED, HEALTH_READY, Origin.PROXY, Reach.TAKEN, "still answers"),
     ],
@@ -211,6 +215,8 @@ HOST_WRONG = json_response(421, b'{"error": {"code": "wrong_host", "message": "a
         "heartbeats-only-host-gone",
         "heartbeats-only-gateway-cannot-reach-host",
         "heartbeats-only-host-alive",
+        "heartbeats-only-host-alive-and-busy",
+        "heartbeats-only-host-restarted",
         "body-died-host-gone",
         "body-died-host-alive",
     ],
@@ -523,3 +529,13 @@ async def test_an_answer_ends_at_its_message_end_though_a_proxy_keeps_the_connec
             assert await client.run([{"seed": 1}]) == [{"ok": True}]
             assert trio.current_time() - start < 1  # not the idle timeout, not the proxy's 30 s
             nursery.cancel_scope.cancel()
+
+
+async def test_over_http_10_a_proxys_page_may_hide_a_batch_that_ran_so_it_is_taken() -> None:
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [respond(HTML_502)])
+        settings = ClientSettings(http_version="1.0", backoff_s=0)
+        with pytest.raises(RolloutError) as failure:
+            await RolloutClient(URL, settings, opener=canned.open).run([{"seed": 1}])
+    assert (failure.value.origin, failure.value.reach) == (Origin.PROXY, Reach.TAKEN)
+    assert len(canned.requests) == 1

@@ -33,3 +33,4 @@ def test_only_this_machines_dead_trainers_own_orphans() -> None:
     assert _is_orphaned(f"{machine}/{parent}/0")  # a live pid, but another start time: reused
     assert not _is_orphaned(f"another-machine/{parent}/0")  # never judged here
     assert not _is_orphaned("not-a-label")
+    assert not _is_orphaned(f"{machine}/999999999/None")  # no start time (no /proc): not judged

@@ -184,3 +184,28 @@ async def test_a_second_host_on_the_first_ones_port_refuses_the_first_ones_calle
                 await client.run(examples(1))
             assert failure.value.code == "wrong_host"
             assert failure.value.reach is Reach.UNREACHED
+
+
+async def test_a_busy_host_is_probed_not_sent_the_same_chunk_again_and_not_ejected(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A host at its connection cap answers "not now" to the chunk and to its probe: the chunk
+    goes to another host at once, the busy one gets nothing more while busy (a re-send loop
+    would spend the chunk's sends in milliseconds) and is not ejected (busy is not failed)."""
+    busy = json_response(503, b'{"error": {"code": "host_busy", "message": "at its maximum"}}')
+    runner = CountingRunner()
+    healthy = Host(ServeConfig(port=0), runner=runner)
+    async with trio.open_nursery() as nursery:
+        full = CannedHost(nursery, [respond(busy)])
+        opener = routed({A: full.open, B: in_memory(nursery, healthy)})
+        async with HostPool(
+            [HostHandle("a", A), HostHandle("b", B)],
+            PoolSettings(per_host_in_flight=1, probe_interval_s=1, max_host_failures=2),
+            client_settings=ClientSettings(chunk_size=1, backoff_s=0),
+            opener=opener,
+        ) as pool:
+            outcomes = await pool.outcomes(examples(4))
+            assert [outcome["_ng_task_index"] for outcome in outcomes] == list(range(4))
+            assert pool.ejected == {}
+    assert len([body for body in full.requests if body]) == 1  # one chunk tried, then probes
+    assert len(runner.started) == 4
