@@ -31,7 +31,9 @@ if [[ "$("$runtime" -c 'import trio_gym; print("trio_gym ok")' 2>/dev/null)" != 
 fi
 
 # A sandbox publishes the host's port from outside, where loopback reaches nothing: listen on
-# every interface unless the launcher names an address (a --host flag still wins).
+# every interface unless the launcher names an address (a --host flag still wins). On a network
+# the sandboxes share with the machine (host networking) every interface is the machine's: a
+# launcher there names 127.0.0.1, as trio_gym's providers do.
 export NMP_RUNTIME_HTTP_HOST=${NMP_RUNTIME_HTTP_HOST:-0.0.0.0}
 
 package=${NMP_ENVIRONMENT_PATH:-}

@@ -221,16 +221,17 @@ MUTATIONS = [
     ),
     Mutation(
         "a body that died after the headers is retried (runs the examples twice)",
-        "trio_gym/trainer/client.py",
-        "        origin=Origin.PROXY,\n        retryable=False,\n        status=failure.status,\n    )",
-        "        origin=Origin.PROXY,\n        retryable=True,\n        status=failure.status,\n    )",
+        "trio_gym/trainer/answers.py",
+        "        reach=Reach.TAKEN,\n        suspect=True,\n        status=status,\n    )",
+        "        reach=Reach.UNREACHED,\n        suspect=True,\n        status=status,\n    )",
         ("tests/test_client.py::test_a_body_that_dies_after_the_headers_is_sent_exactly_once",),
     ),
     Mutation(
         "a connection that never landed is not retried",
         "trio_gym/trainer/client.py",
-        'return self.settings.http_version == "1.1" or isinstance(failure, ConnectFailed)',
-        "return False",
+        '        if self.settings.http_version == "1.1" or isinstance(failure, ConnectFailed):\n'
+        "            return Reach.UNREACHED",
+        "        if False:\n            return Reach.UNREACHED",
         ("tests/test_client.py::test_a_connection_that_never_landed_is_retried_with_backoff",),
     ),
     Mutation(
@@ -239,14 +240,18 @@ MUTATIONS = [
         "                    answers[index] = results\n"
         "                    self.progress.chunk_finished(index, results)\n"
         "                    return\n"
-        "            if not failure.retryable or attempt == attempts:\n"
+        '            # The host\'s own "not now" is not retried here: it has no other host to go to,\n'
+        "            # and says when it will be ready (a pool sends such a chunk elsewhere).\n"
+        "            unreached = failure.reach is Reach.UNREACHED and failure.origin is not Origin.SANDBOX\n"
+        "            if not unreached or attempt == attempts:\n"
         "                break\n"
         '            log_event("chunk_retrying", chunk=index, attempt=attempt, error=str(failure))\n'
         "            await trio.sleep(self.settings.backoff_s * attempt)",
         "                    answers[index] = results\n"
         "                    self.progress.chunk_finished(index, results)\n"
         "                    return\n"
-        "                if not failure.retryable or attempt == attempts:\n"
+        "                unreached = failure.reach is Reach.UNREACHED and failure.origin is not Origin.SANDBOX\n"
+        "                if not unreached or attempt == attempts:\n"
         "                    break\n"
         "                await trio.sleep(self.settings.backoff_s * attempt)",
         ("tests/test_client.py::test_backoff_is_slept_outside_the_concurrency_limit",),
@@ -263,7 +268,7 @@ MUTATIONS = [
         "trio_gym/trainer/answers.py",
         'if isinstance(document, dict) and {"code", "message"} <= set(document):',
         "if False:",
-        ("tests/test_client.py::test_each_failure_is_attributed",),
+        ("tests/test_client.py::test_each_answer_is_named_and_taken_or_not_by_one_rule",),
     ),
     Mutation(
         "a bug in the trainer disguised as a rollout failure",
@@ -277,7 +282,7 @@ MUTATIONS = [
         "trio_gym/trainer/client.py",
         "            if len(results) != len(examples):",
         "            if False:",
-        ("tests/test_client.py::test_each_failure_is_attributed",),
+        ("tests/test_client.py::test_each_answer_is_named_and_taken_or_not_by_one_rule",),
     ),
     Mutation(
         "no client-side request deadline",
@@ -385,10 +390,10 @@ MUTATIONS = [
     Mutation(
         "a stream cut before its done line taken as complete",
         "trio_gym/trainer/stream.py",
-        '                raise self._cut("the stream ended without its done line")',
+        '                what = "the stream ended without its done line"',
         "                raise StopAsyncIteration",
         (
-            "tests/test_client_stream.py::test_a_stream_cut_before_its_done_line_is_a_proxy_failure_not_retried",
+            "tests/test_client_stream.py::test_a_stream_cut_before_its_done_line_is_named_as_run_names_a_cut_and_taken",
         ),
     ),
     Mutation(
@@ -1632,17 +1637,17 @@ MUTATIONS = [
     Mutation(
         "the pool re-sends a chunk its host had taken (#16)",
         "trio_gym/trainer/pool.py",
-        "        if _never_taken(error):",
-        "        if True:",
+        "        if error.reach is Reach.UNREACHED:",
+        "        if error.reach is not Reach.REFUSED:",
         (
             "tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",
         ),
     ),
     Mutation(
         "the pool takes a host's 503 for the chunk's answer (#16)",
-        "trio_gym/trainer/pool.py",
-        "    return error.retryable or (error.origin is Origin.SANDBOX and error.status == 503)",
-        "    return error.retryable",
+        "trio_gym/trainer/answers.py",
+        "                reach=Reach.UNREACHED if not_now else Reach.REFUSED,",
+        "                reach=Reach.REFUSED,",
         ("tests/test_pool.py::test_a_host_answering_503_gets_nothing_run_and_is_ejected",),
     ),
     Mutation(
@@ -1719,8 +1724,8 @@ MUTATIONS = [
     Mutation(
         "a dead answer does not make its host suspect (#16)",
         "trio_gym/trainer/pool.py",
-        "            if error.origin is Origin.PROXY:  # the answer died on the way: is the host alive?",
-        "            if False:",
+        "        if error.suspect:\n            self._suspect(member, error)",
+        "        if error.suspect and error.reach is Reach.UNREACHED:\n            self._suspect(member, error)",
         (
             "tests/test_pool.py::test_a_host_that_stalls_mid_batch_is_ejected_and_the_rest_carry_the_batch",
         ),
@@ -2175,6 +2180,224 @@ MUTATIONS = [
         (
             "tests/test_records.py::test_one_rollout_id_runs_once_at_a_time_while_its_captures_are_kept",
         ),
+    ),
+    Mutation(
+        "a gateway that could not reach the host read as one that may have (#23)",
+        "trio_gym/trainer/gateways.py",
+        '    if isinstance(document, dict) and document.get("code") in _BACKEND_NEVER_REACHED_CODES:\n'
+        "        return True",
+        '    if isinstance(document, dict) and document.get("code") in _BACKEND_NEVER_REACHED_CODES:\n'
+        "        return False",
+        (
+            "tests/test_client.py::test_each_answer_is_named_and_taken_or_not_by_one_rule",
+            "tests/test_reach.py::test_a_gateway_that_cannot_reach_a_host_costs_no_chunk_and_the_host_is_ejected",
+            "tests/test_platforms_real.py::test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_container",
+        ),
+    ),
+    Mutation(
+        "a cut answer named without asking the host (#23)",
+        "trio_gym/trainer/answers.py",
+        "    if health.status in _ALIVE:",
+        "    if True:",
+        (
+            "tests/test_client.py::test_each_answer_is_named_and_taken_or_not_by_one_rule",
+            "tests/test_client_stream.py::test_a_stream_cut_before_its_done_line_is_named_as_run_names_a_cut_and_taken",
+            "tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",
+        ),
+    ),
+    Mutation(
+        "a cut answer does not make its host suspect (#23)",
+        "trio_gym/trainer/answers.py",
+        "        reach=Reach.TAKEN,\n        suspect=True,\n        status=status,\n    )",
+        "        reach=Reach.TAKEN,\n        suspect=False,\n        status=status,\n    )",
+        (
+            "tests/test_reach.py::test_a_cut_answer_fails_its_chunk_once_and_its_host_is_probed_before_more_work",
+            "tests/test_client_stream.py::test_a_stream_cut_before_its_done_line_is_named_as_run_names_a_cut_and_taken",
+        ),
+    ),
+    Mutation(
+        "an unreached chunk failed by the pool instead of sent to another host (#23)",
+        "trio_gym/trainer/pool.py",
+        "        if error.reach is Reach.UNREACHED:",
+        "        if False:",
+        (
+            "tests/test_reach.py::test_a_gateway_that_cannot_reach_a_host_costs_no_chunk_and_the_host_is_ejected",
+            "tests/test_reach.py::test_a_stranger_at_a_hosts_address_is_refused_and_ejected_and_the_chunk_goes_on",
+        ),
+    ),
+    Mutation(
+        "the host serves a request carrying another host's identity (#23)",
+        "trio_gym/host/server.py",
+        "    if host.config.host_identity:\n        _check_identity(host.config.host_identity, head)",
+        "    pass",
+        (
+            "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
+            "tests/test_reach.py::test_a_second_host_on_the_first_ones_port_refuses_the_first_ones_caller",
+        ),
+    ),
+    Mutation(
+        "the refusal of another identity names the identity the host holds (#23)",
+        "trio_gym/host/server.py",
+        '                "host it launched",',
+        '                f"host it launched (this one is {identity})",',
+        (
+            "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
+        ),
+    ),
+    Mutation(
+        "a probe believes any host that answers ready (#23)",
+        "trio_gym/trainer/hosts.py",
+        "    if identity and held != identity_digest(identity):",
+        "    if False:",
+        (
+            "tests/test_reach.py::test_a_second_host_on_the_first_ones_port_refuses_the_first_ones_caller",
+        ),
+    ),
+    Mutation(
+        "a stranger at a host's address waits out max_host_failures (#23)",
+        "trio_gym/trainer/pool.py",
+        "            if health.status is HealthStatus.WRONG_HOST:",
+        "            if False:",
+        (
+            "tests/test_reach.py::test_a_stranger_at_a_hosts_address_is_refused_and_ejected_and_the_chunk_goes_on",
+        ),
+    ),
+    Mutation(
+        "a provider's host gets no identity (#23)",
+        "trio_gym/fleet/launch.py",
+        "        named = {IDENTITY_VARIABLE: identity} if identity else {}",
+        "        named = {}",
+        ("tests/test_pool.py::test_launched_hosts_hold_the_identity_their_handles_carry",),
+    ),
+    Mutation(
+        "OpenSandbox hosts all listen on one port of the shared network (#23)",
+        "trio_gym/fleet/opensandbox.py",
+        "        return next((p for p in self.ports if p not in self._ports_held and p not in tried), None)",
+        "        return next((p for p in self.ports if p not in tried), None)",
+        (
+            "tests/test_platforms_real.py::test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_container",
+        ),
+    ),
+    Mutation(
+        "OpenSandbox hosts on a shared network all given one port (#23)",
+        "trio_gym/fleet/opensandbox.py",
+        "        if not self.host_network:\n"
+        "            return await self._run_sandbox(name, self._spec, self.port, task_status)",
+        "        if True:\n"
+        "            return await self._run_sandbox(name, self._spec, self.port, task_status)",
+        (
+            "tests/test_platforms_real.py::test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_container",
+        ),
+    ),
+    Mutation(
+        "OpenSandbox hosts listen on every interface of the machine (#23)",
+        "trio_gym/fleet/opensandbox.py",
+        '        listen = {"NMP_RUNTIME_HTTP_HOST": "127.0.0.1"} if self.host_network else {}',
+        "        listen = {}",
+        (
+            "tests/test_platforms_real.py::test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_container",
+        ),
+    ),
+    Mutation(
+        "a port something else holds fails the launch instead of the next port (#23)",
+        "trio_gym/fleet/opensandbox.py",
+        "                if _ADDRESS_IN_USE not in str(exc):",
+        "                if True:",
+        ("tests/test_platforms_real.py::test_a_port_something_else_holds_is_skipped_for_the_next",),
+    ),
+    Mutation(
+        "an OpenSandbox host's failure points at a log about to be deleted (#23)",
+        "trio_gym/fleet/opensandbox.py",
+        '        logs = await trio.to_thread.run_sync(sandbox.get_diagnostic_logs, "container")',
+        '        raise SandboxException("not read")',
+        (
+            "tests/test_platforms_real.py::test_an_opensandbox_hosts_own_start_failure_is_quoted_before_its_log_is_gone",
+        ),
+    ),
+    Mutation(
+        "the proxy's API key not carried on a host's requests (#23)",
+        "trio_gym/fleet/opensandbox.py",
+        "            headers.setdefault(API_KEY_HEADER, self._connection().get_api_key())",
+        "            pass",
+        (
+            "tests/test_opensandbox.py::test_hosts_run_in_sandboxes_and_are_killed_when_the_block_ends",
+            "tests/test_platforms_real.py::test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_container",
+        ),
+    ),
+    Mutation(
+        "a Docker host's failure without its log (#23)",
+        "trio_gym/fleet/docker.py",
+        '        return "the end of its output:\\n" + tail.rstrip()',
+        '        return "see docker logs"',
+        ("tests/test_platforms_real.py::test_a_docker_hosts_own_start_failure_is_quoted",),
+    ),
+    Mutation(
+        "Docker hosts on the host network listen on every interface (#23)",
+        "trio_gym/fleet/docker.py",
+        '            {"NMP_RUNTIME_HTTP_HOST": "127.0.0.1", "NMP_RUNTIME_HTTP_PORT": "0",',
+        '            {"NMP_RUNTIME_HTTP_HOST": "0.0.0.0", "NMP_RUNTIME_HTTP_PORT": "0",',
+        (
+            "tests/test_platforms_real.py::test_docker_hosts_serve_survive_a_killed_container_and_leave_nothing",
+        ),
+    ),
+    Mutation(
+        "a dead trainer's containers never swept (#23)",
+        "trio_gym/fleet/docker.py",
+        "            if _is_orphaned(owner)",
+        "            if False",
+        (
+            "tests/test_platforms_real.py::test_containers_of_a_trainer_killed_outright_are_swept_by_the_next",
+        ),
+    ),
+    Mutation(
+        "a Docker block's containers left when it ends (#23)",
+        "trio_gym/fleet/docker.py",
+        "            with trio.CancelScope(shield=True):\n                await self._remove(name, container, spec.stop_grace_s)",
+        "            pass",
+        (
+            "tests/test_platforms_real.py::test_docker_hosts_serve_survive_a_killed_container_and_leave_nothing",
+        ),
+    ),
+    Mutation(
+        "a busy host's chunk put back without a probe (re-sent in a tight loop) (#23)",
+        "trio_gym/trainer/answers.py",
+        "                suspect=not_now,  # probed before it gets more: no tight loop of re-sends",
+        "                suspect=False,",
+        (
+            "tests/test_reach.py::test_a_busy_host_is_probed_not_sent_the_same_chunk_again_and_not_ejected",
+        ),
+    ),
+    Mutation(
+        "a probe that hears busy counts a failure (a full host ejected) (#23)",
+        "trio_gym/trainer/pool.py",
+        "            if health.status is HealthStatus.BUSY:",
+        "            if False:",
+        (
+            "tests/test_reach.py::test_a_busy_host_is_probed_not_sent_the_same_chunk_again_and_not_ejected",
+        ),
+    ),
+    Mutation(
+        "a cut while the host is busy or restarted misnamed (only ready counts as alive) (#23)",
+        "trio_gym/trainer/answers.py",
+        "    {HealthStatus.READY, HealthStatus.BUSY, HealthStatus.SHUTTING_DOWN, HealthStatus.FAILED}",
+        "    {HealthStatus.READY, HealthStatus.STARTING}",
+        ("tests/test_client.py::test_each_answer_is_named_and_taken_or_not_by_one_rule",),
+    ),
+    Mutation(
+        "over HTTP/1.0 a proxy's page re-sent (a batch it hid runs twice) (#23)",
+        "trio_gym/trainer/client.py",
+        "        results = decode_response(status, body, page_reach=self.unanswered_reach())",
+        "        results = decode_response(status, body)",
+        (
+            "tests/test_client.py::test_over_http_10_a_proxys_page_may_hide_a_batch_that_ran_so_it_is_taken",
+        ),
+    ),
+    Mutation(
+        "a label without a start time judged orphaned (Docker Desktop: every trainer's swept) (#23)",
+        "trio_gym/fleet/docker.py",
+        "    if machine != _machine() or not pid.isdigit() or not started.isdigit():",
+        "    if machine != _machine() or not pid.isdigit():",
+        ("tests/test_docker_provider.py::test_only_this_machines_dead_trainers_own_orphans",),
     ),
 ]
 

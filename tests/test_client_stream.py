@@ -7,11 +7,12 @@ from typing import Any
 import pytest
 import trio
 
-from tests.canned import CannedHost, chunked_response, respond
+from tests.canned import CannedHost, chunked_response, json_response, respond
 from tests.helpers import URL, CountingRunner, in_memory
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
 from trio_gym.trainer import ClientSettings, Origin, RolloutClient, RolloutError, Row, StreamSummary
+from trio_gym.trainer.errors import Reach
 
 
 async def collect(client: RolloutClient, examples: list[dict[str, Any]]) -> tuple[list[Row], Any]:
@@ -67,20 +68,36 @@ async def test_a_deadline_ends_the_stream_with_a_sandbox_error_after_the_rows(
     assert stream.missing == [1]
 
 
-@pytest.mark.parametrize("framed_end", [False, True], ids=["cut-mid-body", "ended-without-done"])
-async def test_a_stream_cut_before_its_done_line_is_a_proxy_failure_not_retried(
-    framed_end: bool,
+HEALTH_READY = json_response(200, b'{"status": "ready"}')
+
+
+@pytest.mark.parametrize("framed_end", [False, True], ids=["cut-mid-body", "ended-cleanly"])
+@pytest.mark.parametrize(
+    ("health", "origin"),
+    [(None, Origin.SANDBOX), (HEALTH_READY, Origin.PROXY)],
+    ids=["host-gone", "host-alive"],
+)
+async def test_a_stream_cut_before_its_done_line_is_named_as_run_names_a_cut_and_taken(
+    framed_end: bool, health: bytes | None, origin: Origin
 ) -> None:
+    """A proxy that ends a cut body cleanly (OpenSandbox's does) and a connection that dies
+    are the same event: the host's /health names it, as for a document."""
     cut = chunked_response(b"\n", b'{"index": 0, "result": {"ok": true}}\n', end=framed_end)
+    probe = CannedHost.REFUSE if health is None else respond(health)
     async with trio.open_nursery() as nursery:
-        canned = CannedHost(nursery, [respond(cut)])
+        canned = CannedHost(nursery, [respond(cut), probe])
         client = RolloutClient(URL, opener=canned.open)
         seen = []
         with pytest.raises(RolloutError) as failure:
             async for row in client.stream([{"a": 1}, {"a": 2}]):
                 seen.append(row.index)
+        document = CannedHost(nursery, [respond(chunked_response(b" ", end=framed_end)), probe])
+        with pytest.raises(RolloutError) as run_failure:
+            await RolloutClient(URL, opener=document.open).run([{"a": 1}])
     assert seen == [0]
-    assert failure.value.origin is Origin.PROXY and not failure.value.retryable
+    assert (failure.value.origin, failure.value.reach) == (origin, Reach.TAKEN)
+    assert (run_failure.value.origin, run_failure.value.reach) == (origin, Reach.TAKEN)
+    assert failure.value.suspect and run_failure.value.suspect
     assert "1 of 2 example(s) got no row" in failure.value.message
 
 
@@ -161,4 +178,4 @@ async def test_the_client_deadline_bounds_a_row_stream_that_never_ends(
         with pytest.raises(RolloutError, match="no done line within 100 s") as failure:
             await collect(client, [{"seed": 1, "meetings": 12, "think_s": 3600}])
         assert trio.current_time() - start == 100
-    assert failure.value.origin is Origin.PROXY and not failure.value.retryable
+    assert (failure.value.origin, failure.value.reach) == (Origin.PROXY, Reach.TAKEN)

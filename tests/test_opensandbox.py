@@ -48,6 +48,8 @@ class FakeServer:
             domain=self.domain,
             api_key=API_KEY,
             poll_interval_s=0.1,
+            # The fake publishes each host's port as `docker -P` would: a network of its own.
+            host_network=False,
             **settings,
         )
 
@@ -118,7 +120,9 @@ async def test_hosts_run_in_sandboxes_and_are_killed_when_the_block_ends(
             assert [handle.name for handle in handles] == ["sandbox-0", "sandbox-1"]
             for handle in handles:
                 sandbox = provider.sandbox_id(handle)
-                assert handle.headers == (("X-Fake-Sandbox", sandbox),)
+                # The endpoint's own headers, and the API key for the server's proxy route.
+                expected = {"X-Fake-Sandbox": sandbox, "OPEN-SANDBOX-API-KEY": API_KEY}
+                assert dict(handle.headers) == expected
                 assert await provider.alive(handle)
             async with HostPool(handles, client_settings=ClientSettings(chunk_size=2)) as pool:
                 results = await pool.run([{"id": i, "sleep_s": 0.05} for i in range(8)])

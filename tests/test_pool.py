@@ -24,9 +24,10 @@ import trio
 
 from tests.processes import HANG_GUARD_S, kill_all, processes_with
 from trio_gym.fleet import HostHandle, HostSpec, LaunchFailed, LocalProvider
-from trio_gym.trainer import RolloutError
+from trio_gym.trainer import RolloutClient, RolloutError
 from trio_gym.trainer.client import ClientSettings
 from trio_gym.trainer.errors import Origin
+from trio_gym.trainer.hosts import HealthStatus, probe
 from trio_gym.trainer.pool import HostPool, PoolSettings
 
 TOKEN_VARIABLE = "TRIO_GYM_POOL_TEST"
@@ -132,8 +133,8 @@ async def test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_repla
             assert failed == taken_by_the_dead and 0 < len(failed) <= 2
             for index in failed:
                 error = outcomes[index]
-                assert isinstance(error, RolloutError) and error.origin is Origin.PROXY
-                assert "died after the headers arrived" in error.message
+                assert isinstance(error, RolloutError) and error.origin is Origin.SANDBOX
+                assert "the host is gone" in error.message
             for index, outcome in enumerate(outcomes):
                 assert index in failed or outcome["id"] == index
             assert_each_ran_once(hosts, 24)
@@ -308,4 +309,23 @@ async def test_a_launch_whose_hosts_do_not_become_ready_fails_naming_why_and_lea
         async with LocalProvider().hosts(2, spec):
             raise AssertionError("the block ran although no host was ready")
     assert expected in str(failed.value)
+    assert hosts.left_behind() == []
+
+
+async def test_launched_hosts_hold_the_identity_their_handles_carry(hosts: Hosts) -> None:
+    """Each host a provider launches answers only callers that carry its identity: its handle's
+    probe finds it, another host's identity is refused."""
+    provider = LocalProvider()
+    with trio.fail_after(HANG_GUARD_S):
+        async with provider.hosts(2, hosts.spec()) as (first, second):
+            assert first.identity and second.identity and first.identity != second.identity
+            assert (await probe(first, timeout_s=5)).status is HealthStatus.READY
+            misdirected = HostHandle("misdirected", first.url, identity=second.identity)
+            assert (await probe(misdirected, timeout_s=5)).status is HealthStatus.WRONG_HOST
+            client = RolloutClient(first.url, identity=second.identity)
+            with pytest.raises(RolloutError) as failure:
+                await client.run(examples(1, sleep_s=0))
+            assert failure.value.code == "wrong_host"
+            assert second.identity not in repr(misdirected) + repr(second)  # never in logs
+    assert hosts.runs() == []
     assert hosts.left_behind() == []

@@ -100,6 +100,12 @@ class ServeConfig(BaseModel):
         description="Bearer token of the checkpoint control plane; empty turns the plane off.",
         json_schema_extra=SECRET,
     )
+    host_identity: str = Field(
+        default="",
+        description="Given by the provider that launched this host: a request carrying "
+        "another identity is refused (421 wrong_host); empty accepts any.",
+        json_schema_extra=SECRET,
+    )
     agents: dict[str, str] = Field(
         default_factory=dict,
         description="For runner 'agents': agent name -> base URL of its server (or of the "
@@ -246,6 +252,7 @@ ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
     "environment_package_required": "NMP_ENVIRONMENT_PACKAGE_REQUIRED",
     "install_timeout_s": "NMP_INSTALL_TIMEOUT_S",
     "control_token": "NMP_CONTROL_TOKEN",
+    "host_identity": "NMP_HOST_IDENTITY",
     "agents": "NMP_AGENTS",
     "head_server": "NMP_HEAD_SERVER",
     "agent_max_connections": "NMP_AGENT_MAX_CONNECTIONS",

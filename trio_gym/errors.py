@@ -41,6 +41,7 @@ class ErrorCode(enum.StrEnum):
     DEADLINE_EXCEEDED = "deadline_exceeded"
     INTERNAL = "internal"
     UNAUTHORIZED = "unauthorized"
+    WRONG_HOST = "wrong_host"
     ADMISSION_CLOSED = "admission_closed"
     STALE_ATTEMPT = "stale_attempt"
     STALE_CHECKPOINT = "stale_checkpoint"
@@ -69,6 +70,7 @@ DEFAULT_STATUS: dict[ErrorCode, int] = {
     ErrorCode.DEADLINE_EXCEEDED: 504,
     ErrorCode.INTERNAL: 500,
     ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.WRONG_HOST: 421,
     ErrorCode.ADMISSION_CLOSED: 409,
     ErrorCode.STALE_ATTEMPT: 409,
     ErrorCode.STALE_CHECKPOINT: 409,

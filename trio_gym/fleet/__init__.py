@@ -1,11 +1,21 @@
-"""Launching hosts for a trainer: providers (local processes, OpenSandbox sandboxes, Ray).
+"""Launching hosts for a trainer: providers (local processes, Docker containers, OpenSandbox
+sandboxes, Ray).
 
 Each provider launches hosts, waits until they are ready and stops them when its block ends;
 :class:`~trio_gym.trainer.pool.HostPool` spreads work over them. See :mod:`.launch`.
 """
 
+from trio_gym.fleet.docker import DockerProvider
 from trio_gym.fleet.launch import HostSpec, Provider, wait_ready
 from trio_gym.fleet.local import LocalProvider
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
 
-__all__ = ["HostHandle", "HostSpec", "LaunchFailed", "LocalProvider", "Provider", "wait_ready"]
+__all__ = [
+    "DockerProvider",
+    "HostHandle",
+    "HostSpec",
+    "LaunchFailed",
+    "LocalProvider",
+    "Provider",
+    "wait_ready",
+]

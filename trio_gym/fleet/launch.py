@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
@@ -28,6 +29,14 @@ from trio_gym.trainer.hosts import HealthStatus, HostHandle, Launcher, LaunchFai
 def _copied(environment: Mapping[str, str]) -> dict[str, str]:
     """A copy of its own: a caller changing its mapping later does not change the spec."""
     return dict(environment)
+
+
+IDENTITY_VARIABLE = "NMP_HOST_IDENTITY"
+
+
+def new_identity() -> str:
+    """An identity for one launched host: it answers only callers that carry it."""
+    return secrets.token_hex(16)
 
 
 @attrs.frozen
@@ -49,10 +58,12 @@ class HostSpec:
         """The hosts a trainer's caller config asks for (its bootstrap environment)."""
         return cls(environment=caller.bootstrap_environment(), **fields)  # type: ignore[arg-type]
 
-    def host_environment(self) -> dict[str, str]:
-        """The variables the host process is given (the control token among them)."""
+    def host_environment(self, identity: str = "") -> dict[str, str]:
+        """The variables the host process is given (the control token and the host's
+        ``identity`` among them)."""
         token = {"NMP_CONTROL_TOKEN": self.control_token} if self.control_token else {}
-        return {**self.environment, **token}
+        named = {IDENTITY_VARIABLE: identity} if identity else {}
+        return {**self.environment, **token, **named}
 
 
 class Provider(Launcher, Protocol):

@@ -21,7 +21,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from trio_gym.fleet.launch import HostSpec, Launches, wait_ready
+from trio_gym.fleet.launch import HostSpec, Launches, new_identity, wait_ready
 from trio_gym.processes import ProcessTree, run_process_tree
 from trio_gym.trainer.hosts import HostHandle
 
@@ -88,6 +88,7 @@ class LocalProvider:
         assert self._launch is not None
         spec, directory = self._launch
         port_file = directory / f"{name}.port"
+        identity = new_identity()
         argv = [
             *(self.python, "-m", "trio_gym", "serve"),
             *("--host", self.bind, "--port", "0", "--port-file", str(port_file)),
@@ -100,7 +101,7 @@ class LocalProvider:
                         run_process_tree,
                         argv,
                         name=name,
-                        env={**os.environ, **spec.host_environment()},
+                        env={**os.environ, **spec.host_environment(identity)},
                         cwd=os.getcwd(),
                         stop_grace_s=spec.stop_grace_s,
                     )
@@ -108,7 +109,7 @@ class LocalProvider:
                 self._running[name] = _Running(tree, scope)
                 handle = await wait_ready(
                     name,
-                    locate=partial(self._locate, name, port_file, spec),
+                    locate=partial(self._locate, name, port_file, spec, identity),
                     ended=partial(_ended, tree),
                     log_tail=partial(_log_tail, tree),
                     timeout_s=spec.ready_timeout_s,
@@ -116,13 +117,17 @@ class LocalProvider:
                 )
                 task_status.started(handle)
 
-    async def _locate(self, name: str, port_file: Path, spec: HostSpec) -> HostHandle | None:
+    async def _locate(
+        self, name: str, port_file: Path, spec: HostSpec, identity: str
+    ) -> HostHandle | None:
         try:
             port = int(await trio.Path(port_file).read_text())
         except (FileNotFoundError, ValueError):
             return None  # not listening yet (the file appears whole, by a rename)
         host = f"[{self.bind}]" if ":" in self.bind else self.bind
-        return HostHandle(name, f"http://{host}:{port}", control_token=spec.control_token)
+        return HostHandle(
+            name, f"http://{host}:{port}", control_token=spec.control_token, identity=identity
+        )
 
 
 async def _ended(tree: ProcessTree) -> str | None:

@@ -2,8 +2,17 @@
 
 The SDK's async client is asyncio-only; its sync client is called from trio worker threads.
 Each host is one sandbox whose entrypoint is ``scripts/gym_host.sh`` in the image, started with
-the spec's environment and ``NMP_RUNTIME_HTTP_PORT``; its URL and headers are the endpoint the
-server publishes for that port. Rules:
+the spec's environment, ``NMP_RUNTIME_HTTP_PORT`` and an identity of its own; its URL is the
+endpoint the server publishes for that port, and every request carries the endpoint's headers
+and, through the server's proxy, the API key (a multi-tenant server checks it there). Rules:
+
+- **Where a host listens.** Sandboxes on the host network (OpenSandbox's docker runtime's
+  default) share the machine's: each host gets its own port of ``ports`` and binds 127.0.0.1
+  (the proxy reaches it there; nothing else on the machine's interfaces does). A port that
+  something else holds is skipped for the next. Sandboxes with networks of their own all use
+  ``port`` and listen on every interface of theirs.
+- **A failed host says why.** Before a sandbox that failed to start is deleted (and its log with
+  it), its log is read through the server's diagnostics API and quoted in ``LaunchFailed``.
 
 - **Credentials never reach the host.** The API key goes to the SDK's connection, never into a
   sandbox's environment, and a spec whose environment carries ``OPEN_SANDBOX_*``,
@@ -33,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from trio_gym.fleet.launch import HostSpec, Launches, wait_ready
+from trio_gym.errors import raise_unwrapped
+from trio_gym.fleet.launch import HostSpec, Launches, new_identity, wait_ready
 from trio_gym.logs import log_event
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
 
@@ -44,6 +54,12 @@ LAUNCH_KEY = "trio-gym-launch"
 """The metadata key every sandbox is created with: its create attempt's id."""
 NAME_KEY = "trio-gym-host"
 ALIVE_STATES = frozenset({"Pending", "Running"})
+API_KEY_HEADER = "OPEN-SANDBOX-API-KEY"
+_ADDRESS_IN_USE = "Address already in use"
+_LOG_TAIL_LINES = 40
+_PORT_TRIES = 3
+"""Ports a host tries before its launch fails: a port held by something else is skipped, but
+"Address already in use" in a log may be another process's (a Gym server's)."""
 
 _CREDENTIAL_VARIABLE = re.compile(r"^(OPEN_?SANDBOX_.*|RAY_ADDRESS)$")
 
@@ -68,8 +84,9 @@ class OpenSandboxProvider:
     """Launches hosts as OpenSandbox sandboxes; one ``hosts()`` block at a time.
 
     ``entrypoint`` runs the host inside the image (``gym_host.sh`` and the runtime that has
-    trio_gym); ``port`` is the one it listens on there; ``domain`` and ``api_key`` default to
-    the SDK's own (``OPEN_SANDBOX_DOMAIN``, ``OPEN_SANDBOX_API_KEY``).
+    trio_gym); ``host_network`` says the sandboxes share the machine's network (then each host
+    listens on its own port of ``ports``; otherwise on ``port``); ``domain`` and ``api_key``
+    default to the SDK's own (``OPEN_SANDBOX_DOMAIN``, ``OPEN_SANDBOX_API_KEY``).
     """
 
     def __init__(
@@ -79,6 +96,8 @@ class OpenSandboxProvider:
         entrypoint: Sequence[str],
         domain: str | None = None,
         api_key: str | None = None,
+        host_network: bool = True,
+        ports: Sequence[int] = range(18080, 18180),
         port: int = 8080,
         ttl_s: float = 14400.0,
         resource: Mapping[str, str] | None = None,
@@ -96,10 +115,14 @@ class OpenSandboxProvider:
             ) from exc
         if ttl_s <= 0 or create_attempts < 1:
             raise ValueError("ttl_s must be positive and create_attempts at least 1")
+        if host_network and not ports:
+            raise ValueError("sandboxes on the host network need ports to listen on")
         self.image = image
         self.entrypoint = list(entrypoint)
         self.domain = domain
         self._api_key = api_key
+        self.host_network = host_network
+        self.ports = tuple(ports)
         self.port = port
         self.ttl_s = ttl_s
         self.resource = dict(resource) if resource else None
@@ -108,6 +131,7 @@ class OpenSandboxProvider:
         self.poll_interval_s = poll_interval_s
         self.request_timeout_s = request_timeout_s
         self._running: dict[str, _Sandbox] = {}
+        self._ports_held: set[int] = set()
         self._launches = Launches("sandbox")
         self._spec: HostSpec | None = None
 
@@ -146,26 +170,63 @@ class OpenSandboxProvider:
         self, name: str, *, task_status: trio.TaskStatus[HostHandle] = trio.TASK_STATUS_IGNORED
     ) -> None:
         assert self._spec is not None
-        spec = self._spec
+        if not self.host_network:
+            return await self._run_sandbox(name, self._spec, self.port, task_status)
+        last: LaunchFailed | None = None
+        tried: list[int] = []
+        while len(tried) < _PORT_TRIES and (port := self._free_port(tried)) is not None:
+            tried.append(port)
+            self._ports_held.add(port)
+            try:
+                return await self._run_sandbox(name, self._spec, port, task_status)
+            except LaunchFailed as exc:
+                if _ADDRESS_IN_USE not in str(exc):
+                    raise
+                last = exc
+                log_event("sandbox_port_in_use", level=logging.WARNING, host=name, port=port)
+            finally:
+                self._ports_held.discard(port)
+        if last is None:
+            raise LaunchFailed(
+                f"host {name}: this provider's hosts hold every port of ports= "
+                f"({self.ports[0]}..{self.ports[-1]}); give it more"
+            )
+        raise LaunchFailed(
+            f"host {name}: ports {tried} are held by something else on the sandboxes' shared "
+            f"network; the last try: {last}"
+        )
+
+    def _free_port(self, tried: list[int]) -> int | None:
+        """The first port of ``ports`` no host of this provider holds and ``tried`` lacks."""
+        return next((p for p in self.ports if p not in self._ports_held and p not in tried), None)
+
+    async def _run_sandbox(
+        self, name: str, spec: HostSpec, port: int, task_status: trio.TaskStatus[HostHandle]
+    ) -> None:
+        identity = new_identity()
         # Shielded: a create cancelled half-way would leave a sandbox nobody kills. The SDK's own
         # request and readiness timeouts bound it.
         with trio.CancelScope(shield=True):
-            sandbox = await trio.to_thread.run_sync(self._create, name, spec)
+            sandbox = await trio.to_thread.run_sync(self._create, name, spec, port, identity)
         try:
             with trio.CancelScope() as scope:
                 self._running[name] = _Sandbox(sandbox, scope)
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._renew_at_half_ttl, name, sandbox)
-                    handle = await wait_ready(
-                        name,
-                        locate=partial(self._locate, name, sandbox, spec),
-                        ended=partial(_ended, sandbox),
-                        log_tail=partial(_where_its_log_is, sandbox),
-                        timeout_s=spec.ready_timeout_s,
-                        poll_interval_s=self.poll_interval_s,
-                    )
-                    task_status.started(handle)
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(self._renew_at_half_ttl, name, sandbox)
+                        handle = await wait_ready(
+                            name,
+                            locate=partial(self._locate, name, sandbox, spec, port, identity),
+                            ended=partial(_ended, sandbox),
+                            log_tail=partial(_log_tail, sandbox),
+                            timeout_s=spec.ready_timeout_s,
+                            poll_interval_s=self.poll_interval_s,
+                        )
+                        task_status.started(handle)
+                except ExceptionGroup as group:  # a failed start as itself: a port may be retried
+                    raise_unwrapped(group, alike=LaunchFailed)
         finally:
+            self._running.pop(name, None)
             # Shielded so a cancelled block still kills it; bounded by the SDK's request timeout.
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(_kill, name, sandbox)
@@ -180,12 +241,17 @@ class OpenSandboxProvider:
             request_timeout=timedelta(seconds=self.request_timeout_s),
         )
 
-    def _create(self, name: str, spec: HostSpec) -> SandboxSync:
+    def _create(self, name: str, spec: HostSpec, port: int, identity: str) -> SandboxSync:
         """Create ``name``'s sandbox (in a worker thread), rolling back every failed attempt."""
         from opensandbox.exceptions import SandboxException
         from opensandbox.sync import SandboxSync
 
-        environment = {**spec.host_environment(), "NMP_RUNTIME_HTTP_PORT": str(self.port)}
+        listen = {"NMP_RUNTIME_HTTP_HOST": "127.0.0.1"} if self.host_network else {}
+        environment = {
+            **spec.host_environment(identity),
+            **listen,
+            "NMP_RUNTIME_HTTP_PORT": str(port),
+        }
         failures: list[str] = []
         for _ in range(self.create_attempts):
             launch_id = uuid.uuid4().hex
@@ -233,17 +299,33 @@ class OpenSandboxProvider:
         finally:
             manager.close()
 
-    async def _locate(self, name: str, sandbox: SandboxSync, spec: HostSpec) -> HostHandle:
-        endpoint = await trio.to_thread.run_sync(sandbox.get_endpoint, self.port)
+    async def _locate(
+        self, name: str, sandbox: SandboxSync, spec: HostSpec, port: int, identity: str
+    ) -> HostHandle | None:
+        from opensandbox.exceptions import SandboxException
+
+        try:
+            endpoint = await trio.to_thread.run_sync(sandbox.get_endpoint, port)
+        except SandboxException as exc:  # asked again at the next poll
+            log_event("sandbox_endpoint_unknown", host=name, error=str(exc))
+            return None
         address = endpoint.endpoint
         url = address if "://" in address else f"http://{address}"
         if not url.startswith("http://"):
             raise LaunchFailed(
-                f"host {name}: the sandbox's port {self.port} is published as {address!r}; "
+                f"host {name}: the sandbox's port {port} is published as {address!r}; "
                 "trio_gym's client speaks plain http:// only (try use_server_proxy=False)"
             )
-        headers = tuple(sorted(endpoint.headers.items()))
-        return HostHandle(name, url, headers, control_token=spec.control_token)
+        headers = dict(endpoint.headers)
+        if self.use_server_proxy:  # the endpoint API names none in proxy mode; a server may check
+            headers.setdefault(API_KEY_HEADER, self._connection().get_api_key())
+        return HostHandle(
+            name,
+            url,
+            tuple(sorted(headers.items())),
+            control_token=spec.control_token,
+            identity=identity,
+        )
 
     async def _renew_at_half_ttl(self, name: str, sandbox: SandboxSync) -> None:
         from opensandbox.exceptions import SandboxException
@@ -263,15 +345,31 @@ def _state(sandbox: SandboxSync) -> str:
 
 
 async def _ended(sandbox: SandboxSync) -> str | None:
-    info = await trio.to_thread.run_sync(sandbox.get_info)
+    from opensandbox.exceptions import SandboxException
+
+    try:
+        info = await trio.to_thread.run_sync(sandbox.get_info)
+    except SandboxException as exc:  # the server cannot say now: the ready timeout bounds it
+        log_event("sandbox_state_unknown", sandbox=sandbox.id, error=str(exc))
+        return None
     if info.status.state in ALIVE_STATES:
         return None
     why = ": ".join(part for part in (info.status.reason, info.status.message) if part)
     return f"(sandbox {sandbox.id}) is {info.status.state}" + (f" ({why})" if why else "")
 
 
-async def _where_its_log_is(sandbox: SandboxSync) -> str:
-    return f"its output is the sandbox's log (sandbox {sandbox.id}) on the OpenSandbox server"
+async def _log_tail(sandbox: SandboxSync) -> str:
+    """The end of the sandbox's log, read through the server before the sandbox is deleted."""
+    from opensandbox.exceptions import SandboxException
+
+    try:
+        logs = await trio.to_thread.run_sync(sandbox.get_diagnostic_logs, "container")
+    except SandboxException as exc:
+        return f"its log (sandbox {sandbox.id}) could not be read: {exc}"
+    lines = (logs.content or "").rstrip().splitlines()[-_LOG_TAIL_LINES:]
+    if not lines:
+        return f"it printed nothing (sandbox {sandbox.id})"
+    return f"the end of its output (sandbox {sandbox.id}):\n" + "\n".join(lines)
 
 
 def _kill(name: str, sandbox: SandboxSync) -> None:

@@ -29,7 +29,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from trio_gym.fleet.launch import HostSpec, Launches, wait_ready
+from trio_gym.fleet.launch import HostSpec, Launches, new_identity, wait_ready
 from trio_gym.processes.output import TAIL_LINES
 from trio_gym.processes.tree import GUARD, GUARD_MARGIN_S
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
@@ -204,12 +204,18 @@ class RayProvider:
             .remote()
         )
         argv = [self.python, "-m", "trio_gym", "serve", *spec.serve_args]
+        identity = new_identity()
         try:
             with trio.CancelScope() as scope:
                 self._owned[name] = _Owned(owner, bundle, scope)
-                started = owner.start.remote(name, argv, spec.host_environment(), spec.stop_grace_s)
+                environment = spec.host_environment(identity)
+                started = owner.start.remote(name, argv, environment, spec.stop_grace_s)
                 url = await _started_at(name, started, PORT_WAIT_S + spec.ready_timeout_s)
-                handle = HostHandle(name, url, control_token=spec.control_token) if url else None
+                handle = (
+                    HostHandle(name, url, control_token=spec.control_token, identity=identity)
+                    if url
+                    else None
+                )
                 task_status.started(
                     await wait_ready(
                         name,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import logging
 import os
 import socket
@@ -26,6 +27,7 @@ from trio_gym.http import (
 )
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import path
+from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER
 
 from .control import answer_operation, answer_status, control_paths
 from .rollouts import answer_rollouts
@@ -96,6 +98,8 @@ def _all_methods() -> str:
 def _route(host: Host, head: h11.Request, *, busy: bool) -> Handler:
     """The handler of ``head``'s path and method; raises the refusal when there is none. (It
     returns the handler rather than awaiting it: a frame less kept by every held batch.)"""
+    if host.config.host_identity:  # before busy: a busy stranger is still a stranger
+        _check_identity(host.config.host_identity, head)
     if busy:
         raise _busy(host)
     path = route_path(head.target)
@@ -116,6 +120,22 @@ def _route(host: Host, head: h11.Request, *, busy: bool) -> Handler:
     return handler
 
 
+_IDENTITY_HEADER: Final = HOST_IDENTITY_HEADER.encode()
+
+
+def _check_identity(identity: str, head: h11.Request) -> None:
+    """Refuse a request meant for another host (its address was this one's before). Neither
+    value is named: the refusal would hand a stranger this host's identity."""
+    for name, value in head.headers:
+        if name == _IDENTITY_HEADER and not hmac.compare_digest(value, identity.encode()):
+            raise WireError(
+                ErrorCode.WRONG_HOST,
+                "this request carries another host's identity: the host it was meant for is "
+                "gone and this one now holds its address; ask that host's provider for the "
+                "host it launched",
+            )
+
+
 def _busy(host: Host) -> WireError:
     return WireError(
         ErrorCode.HOST_BUSY,
@@ -127,8 +147,8 @@ def _busy(host: Host) -> WireError:
 
 async def _refuse(host: Host, conn: HttpConnection, error: WireError, *, busy: bool) -> None:
     """Answer a refusal of any kind, in one place. Whatever the head held, an over-cap
-    connection hears the same answer."""
-    refusal = _busy(host) if busy else error
+    connection hears the same answer — but a caller of another host hears that it is."""
+    refusal = _busy(host) if busy and error.code is not ErrorCode.WRONG_HOST else error
     log_event("refused", status=refusal.status, code=refusal.code.value, reason=refusal.message)
     await send_json(conn, refusal.status, refusal.envelope(), headers=refusal.headers)
 

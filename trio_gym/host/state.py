@@ -17,6 +17,7 @@ from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import encode_json
 from trio_gym.install import InstallError, install_environment
 from trio_gym.logs import log_event
+from trio_gym.protocol.host_identity import HEALTH_IDENTITY_FIELD, identity_digest
 from trio_gym.runners import Runner, load_runner
 from trio_gym.runners.base import ServedRunner, StateParticipant, start_reports_to
 from trio_gym.runners.gym import GymDeployment, GymReady, GymStartFailed
@@ -337,7 +338,14 @@ class Host:
             raise refusal
 
     def health(self) -> tuple[int, dict[str, object]]:
-        """The ``/health`` answer of DESIGN §3.2: 200 only when a batch would be accepted."""
+        """The ``/health`` answer: 200 only when a batch would be accepted; with the digest of
+        the identity this host was launched with, if any."""
+        status, document = self._health()
+        if self.config.host_identity:
+            document[HEALTH_IDENTITY_FIELD] = identity_digest(self.config.host_identity)
+        return status, document
+
+    def _health(self) -> tuple[int, dict[str, object]]:
         refusal = self.refusal()
         if refusal is None:
             if self.health_notes:

@@ -18,7 +18,7 @@ from trio_gym.trainer.dispatch import (
     RemoteHost,
     SealedResult,
 )
-from trio_gym.trainer.errors import Origin, RolloutError
+from trio_gym.trainer.errors import Origin, Reach, RolloutError
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
 from trio_gym.trainer.pool import HostPool, PoolSettings
 from trio_gym.trainer.stream import Row, RowError, RowStream, StreamSummary
@@ -36,6 +36,7 @@ __all__ = [
     "HostPool",
     "LaunchFailed",
     "Origin",
+    "Reach",
     "PoolSettings",
     "Progress",
     "RemoteHost",

@@ -2,27 +2,38 @@
 
 A batch is split into chunks; each chunk is one ``POST /rollouts/run``; at most
 ``max_in_flight`` chunks are on the wire at once. Every failure is a :class:`RolloutError`
-whose ``origin`` sends the reader to the right system:
+whose ``origin`` sends the reader to the right system and whose ``reach`` says whether a host
+took the chunk (:class:`~trio_gym.trainer.errors.Reach`: unreached chunks are sent again,
+here and by a pool; taken ones never):
 
-=====================================================  =========  =========
-what happened                                          origin     retried
-=====================================================  =========  =========
-no response headers (refused, reset, DNS, timeout)     proxy      yes (*)
-non-2xx with the host's ``{"error": {code, message}}``  sandbox    no
-a 2xx whose document is ``{"error": ...}``              sandbox    no
-a body of heartbeat whitespace only                    sandbox    no
-a body that is not UTF-8 / JSON / the expected shape   sandbox    no
-non-2xx with a flat ``{"code", "message"}``            proxy      no
-any other non-2xx body (an HTML 502 page)              proxy      yes
-the body died after the headers arrived                proxy      no
-the request is over the host's size limit (413)        client     no
-=====================================================  =========  =========
+=========================================================  =========  =========
+what happened                                              origin     reach
+=========================================================  =========  =========
+no connection                                              proxy      unreached
+no response head over HTTP/1.1 (reset, timeout) (*)        proxy      unreached
+the host's "not now" (``not_ready``, ``host_busy``, ...)    sandbox    unreached
+a gateway that could not reach the host (its 502/503/504)  proxy      unreached
+any other non-2xx body (an HTML 502 page)                  proxy      unreached
+non-2xx with the host's other ``{"error": ...}``            sandbox    refused
+the request is over the host's size limit (413)            client     refused
+non-2xx with a flat ``{"code", "message"}``                proxy      taken
+a 2xx whose document is ``{"error": ...}``                  sandbox    taken
+a body that is not UTF-8 / JSON / the expected shape       sandbox    taken
+a cut answer (heartbeats only, or the body died), host     sandbox    taken
+gone
+a cut answer while the host's ``/health`` says ready       proxy      taken
+=========================================================  =========  =========
 
-(*) Over HTTP/1.0 only a connection that never opened is retried: a 1.0 host answers only once
-the batch is done, so a missing head may hide a batch that ran.
+This client re-sends an unreached chunk itself (``max_attempts``), but for the host's own "not
+now": it has no other host to send it to.
 
-A chunk whose body had started is never re-sent: the host was already running it, and a
-second copy would run every example twice. Bugs in this process propagate as themselves.
+(*) The host sends its head the moment it admits a batch, and cancels the batch when its
+caller's connection goes: a missing head means nothing ran. Over HTTP/1.0 the host answers
+only once the batch is done, so there only a connection that never opened is unreached.
+
+A cut answer is named by asking the host's ``/health`` at once (a proxy may end a cut body
+cleanly, so the bytes alone cannot say whether the host died). Bugs in this process propagate
+as themselves.
 
 With ``ClientSettings(failures="records")`` a failed example does not fail its chunk: the host
 answers its failure record in its place (an object with ``_ng_failure_class``, as NeMo Gym's
@@ -55,9 +66,10 @@ from trio_gym.http import (
 )
 from trio_gym.logs import log_event
 from trio_gym.protocol.rollouts import FAILURES_FIELD, ROW_OFFSET_FIELD, FailureMode
-from trio_gym.trainer.answers import decode_response
+from trio_gym.trainer.answers import decode_response, is_cut, named_cut
 from trio_gym.trainer.deadlines import DeadlineRegistry, RequestDeadline
-from trio_gym.trainer.errors import Origin, RolloutError
+from trio_gym.trainer.errors import Origin, Reach, RolloutError
+from trio_gym.trainer.hosts import HostHandle
 from trio_gym.trainer.stream import RowStream
 
 
@@ -107,6 +119,8 @@ class ClientSettings:
     """``1.0`` asks for the host's buffered answer (no heartbeats), for 1.0-only proxies."""
     failures: FailureMode = "batch"
     """``records``: a failed example's failure record comes back in its place (see above)."""
+    cut_probe_timeout_s: float = 5.0
+    """How long the ``GET /health`` that names a cut answer may take."""
 
     def __attrs_post_init__(self) -> None:
         for name in ("chunk_size", "max_in_flight", "max_attempts"):
@@ -121,7 +135,8 @@ class RolloutClient:
     that returns in-memory streams to an in-process host, so time can be virtual. With
     ``deadlines``, request deadlines stand still while a holder pauses them (a checkpoint
     holding admission closed: requests then wait on it, they are not slow). ``headers`` go with
-    every request (a sandbox platform's proxy may route or authorise by them).
+    every request (a sandbox platform's proxy may route or authorise by them); ``identity`` is
+    the one its provider gave the host (a stranger at a reused address refuses the request).
     """
 
     def __init__(
@@ -134,9 +149,11 @@ class RolloutClient:
         opener: StreamOpener = open_tcp,
         deadlines: DeadlineRegistry | None = None,
         headers: Sequence[tuple[str, str]] = (),
+        identity: str = "",
     ) -> None:
         self.endpoint = Endpoint.parse(url)
-        self.headers = tuple(headers)
+        self.host = HostHandle(self.endpoint.authority, url, tuple(headers), identity=identity)
+        self.headers = self.host.request_headers()
         self.settings = settings or ClientSettings()
         self.progress: Progress = progress or SilentProgress()
         self.limits = limits or HttpLimits()
@@ -224,16 +241,15 @@ class RolloutClient:
                     answers[index] = results
                     self.progress.chunk_finished(index, results)
                     return
-            if not failure.retryable or attempt == attempts:
+            # The host's own "not now" is not retried here: it has no other host to go to,
+            # and says when it will be ready (a pool sends such a chunk elsewhere).
+            unreached = failure.reach is Reach.UNREACHED and failure.origin is not Origin.SANDBOX
+            if not unreached or attempt == attempts:
                 break
             log_event("chunk_retrying", chunk=index, attempt=attempt, error=str(failure))
             await trio.sleep(self.settings.backoff_s * attempt)
-        final = RolloutError(
-            f"chunk {index + 1} failed after {attempt} attempt(s): {failure.message}",
-            origin=failure.origin,
-            retryable=failure.retryable,
-            status=failure.status,
-            code=failure.code,
+        final = failure.renamed(
+            f"chunk {index + 1} failed after {attempt} attempt(s): {failure.message}"
         )
         answers[index] = final
         self.progress.chunk_failed(index, final)
@@ -254,6 +270,7 @@ class RolloutClient:
         payload = self.encode_request(examples, row_offset=row_offset)
         heard = _Heard(on_heartbeat)
         started = trio.current_time()
+        cut: tuple[str, int] | None = None  # named once out of the deadline: the probe is ours
         with RequestDeadline(self.deadlines, self.settings.request_deadline_s).waiting():
             try:
                 response = await exchange(
@@ -271,34 +288,57 @@ class RolloutClient:
                     on_data=heard.on_data,
                 )
             except NoResponse as exc:
-                raise RolloutError(
-                    str(exc), origin=Origin.PROXY, retryable=self._unanswered_is_unstarted(exc)
-                ) from exc
+                raise self.unanswered(exc) from exc
             except BodyFailed as exc:
-                raise _body_failed(exc, heard) from exc
-            elapsed = trio.current_time() - started
-            results = decode_response(response.status, response.body, elapsed_s=elapsed)
-            if len(results) != len(examples):
-                raise RolloutError(
-                    f"the host returned {len(results)} results for {len(examples)} examples",
-                    origin=Origin.SANDBOX,
-                    retryable=False,
-                    status=response.status,
+                if exc.too_large:
+                    raise _too_large(exc) from exc
+                cut = (f"{exc} ({heard.heartbeats} heartbeat(s) in)", exc.status)
+            else:
+                if not is_cut(response.status, response.body):
+                    return self._results(response.status, response.body, len(examples))
+                elapsed = trio.current_time() - started
+                cut = (
+                    f"HTTP {response.status} with only heartbeat whitespace "
+                    f"({len(response.body)} bytes, {elapsed:.0f} s)",
+                    response.status,
                 )
-            return results
-        raise _deadline_passed(
-            self.settings.request_deadline_s, self.endpoint, heard, self._unanswered_is_unstarted()
+        if cut is not None:
+            raise await self.cut(*cut)
+        raise _deadline_passed(self.settings.request_deadline_s, self.endpoint, heard, self)
+
+    def _results(self, status: int, body: bytes, expected: int) -> list[Any]:
+        results = decode_response(status, body, page_reach=self.unanswered_reach())
+        if len(results) != expected:
+            raise RolloutError(
+                f"the host returned {len(results)} results for {expected} examples",
+                origin=Origin.SANDBOX,
+                reach=Reach.TAKEN,
+                status=status,
+            )
+        return results
+
+    def unanswered_reach(self, failure: NoResponse | None = None) -> Reach:
+        """Whether a chunk with no response head was taken (the module docstring's (*))."""
+        if self.settings.http_version == "1.1" or isinstance(failure, ConnectFailed):
+            return Reach.UNREACHED
+        return Reach.TAKEN
+
+    def unanswered(self, failure: NoResponse) -> RolloutError:
+        """The error of a request that got no response head."""
+        return RolloutError(
+            str(failure), origin=Origin.PROXY, reach=self.unanswered_reach(failure), suspect=True
         )
 
-    def _unanswered_is_unstarted(self, failure: NoResponse | None = None) -> bool:
-        """Whether no response head means the host never started the chunk.
-
-        Over HTTP/1.1 the host sends its head as soon as the batch is accepted, so a missing
-        head means it never ran. An HTTP/1.0 host answers only when the batch is done: a
-        missing head may hide a batch that ran, and only a connection that never opened is
-        safe to retry.
-        """
-        return self.settings.http_version == "1.1" or isinstance(failure, ConnectFailed)
+    async def cut(self, what: str, status: int) -> RolloutError:
+        """The error of an answer cut after its head: named by the host's ``/health`` now."""
+        return await named_cut(
+            self.host,
+            f"the answer was cut: {what}",
+            status=status,
+            timeout_s=self.settings.cut_probe_timeout_s,
+            opener=self.opener,
+            limits=self.limits,
+        )
 
     def stream(self, examples: Sequence[Mapping[str, Any]]) -> RowStream:
         """Run ``examples`` as one request answered row by row (NDJSON), in completion order.
@@ -325,7 +365,7 @@ class RolloutClient:
                 f"the request for {len(examples)} examples is {len(payload)} bytes, over the "
                 f"host's limit of {self.settings.max_request_bytes}; lower the chunk size",
                 origin=Origin.CLIENT,
-                retryable=False,
+                reach=Reach.REFUSED,
             )
         return payload
 
@@ -348,39 +388,31 @@ class _Heard:
                 self._on_heartbeat()
 
 
-def _body_failed(failure: BodyFailed, heard: _Heard) -> RolloutError:
-    if failure.too_large:
-        return RolloutError(
-            f"the response is over this client's max_response_bytes: {failure}",
-            origin=Origin.CLIENT,
-            retryable=False,
-            status=failure.status,
-        )
+def _too_large(failure: BodyFailed) -> RolloutError:
     return RolloutError(
-        f"the response body died after the headers arrived (HTTP {failure.status}, "
-        f"{heard.heartbeats} heartbeat(s) in): {failure}; not retried, because the host had "
-        "already started these examples and a second copy would run them twice",
-        origin=Origin.PROXY,
-        retryable=False,
+        f"the response is over this client's max_response_bytes: {failure}",
+        origin=Origin.CLIENT,
+        reach=Reach.TAKEN,
         status=failure.status,
     )
 
 
 def _deadline_passed(
-    waited: float, endpoint: Endpoint, heard: _Heard, retryable_without_head: bool
+    waited: float, endpoint: Endpoint, heard: _Heard, client: RolloutClient
 ) -> RolloutError:
     if heard.status is None:
         return RolloutError(
             f"no response headers from {endpoint.authority} within {waited:g} s",
             origin=Origin.PROXY,
-            retryable=retryable_without_head,
+            reach=client.unanswered_reach(),
+            suspect=True,
         )
     return RolloutError(
         f"no complete answer within {waited:g} s (request_deadline_s) although the host kept "
         f"sending ({heard.heartbeats} heartbeat(s)); its own deadline should have ended the "
         "batch first: check its NMP_ROLLOUT_DEADLINE_S",
         origin=Origin.SANDBOX,
-        retryable=False,
+        reach=Reach.TAKEN,
         status=heard.status,
     )
 
@@ -392,10 +424,4 @@ def batch_failure(failures: list[RolloutError], chunks: int) -> RolloutError:
     summary = f"{len(failures)} of {chunks} rollout chunk(s) failed"
     if len(failures) == chunks > 1:
         summary += "; every chunk failed, so the host itself is the likelier cause"
-    return RolloutError(
-        f"{summary}. First: {first.message}",
-        origin=first.origin,
-        retryable=False,
-        status=first.status,
-        code=first.code,
-    )
+    return first.renamed(f"{summary}. First: {first.message}")

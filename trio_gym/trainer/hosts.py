@@ -15,6 +15,7 @@ from typing import Protocol
 import attrs
 import trio
 
+from trio_gym.errors import ErrorCode
 from trio_gym.http import (
     BodyFailed,
     Endpoint,
@@ -24,6 +25,12 @@ from trio_gym.http import (
     exchange,
     open_tcp,
 )
+from trio_gym.protocol.host_identity import (
+    HEALTH_IDENTITY_FIELD,
+    HOST_IDENTITY_HEADER,
+    identity_digest,
+)
+from trio_gym.trainer.gateways import backend_never_reached
 
 # A /health answer is a few hundred bytes; anything much bigger is not one.
 _MAX_HEALTH_BYTES = 64 * 1024
@@ -36,8 +43,18 @@ class HostHandle:
 
     name: str
     url: str
-    headers: tuple[tuple[str, str], ...] = ()
+    headers: tuple[tuple[str, str], ...] = attrs.field(default=(), repr=False)
+    """Kept out of ``repr``: a platform's headers may carry its API key."""
     control_token: str = attrs.field(default="", repr=False)
+    identity: str = attrs.field(default="", repr=False)
+    """Given by the provider that launched the host (``NMP_HOST_IDENTITY``): every request
+    carries it, and the host refuses one carrying another."""
+
+    def request_headers(self) -> tuple[tuple[str, str], ...]:
+        """The headers every request to this host carries."""
+        if not self.identity:
+            return self.headers
+        return (*self.headers, (HOST_IDENTITY_HEADER, self.identity))
 
 
 class HealthStatus(enum.StrEnum):
@@ -49,6 +66,10 @@ class HealthStatus(enum.StrEnum):
     """No answer: refused, reset, or nothing within the probe's bound."""
     UNKNOWN = "unknown"
     """An answer that is not a trio_gym ``/health`` document (a proxy's page)."""
+    WRONG_HOST = "wrong_host"
+    """A host answers at the address, but not the one launched there (the address was reused)."""
+    BUSY = "busy"
+    """The host answers, but is serving its maximum of connections (``host_busy``)."""
 
 
 @attrs.frozen
@@ -77,23 +98,42 @@ async def probe(
                 limits=limits or HttpLimits(),
                 max_response_bytes=_MAX_HEALTH_BYTES,
                 idle_timeout_s=timeout_s,
-                headers=handle.headers,
+                headers=handle.request_headers(),
                 opener=opener,
             )
         except (NoResponse, BodyFailed) as exc:
             return Health(HealthStatus.UNREACHABLE, str(exc))
-        return read_health(response.status, response.body)
+        return read_health(response.status, response.body, identity=handle.identity)
     return Health(HealthStatus.UNREACHABLE, f"no answer to GET /health within {timeout_s:g} s")
 
 
-def read_health(status: int, body: bytes) -> Health:
-    """A ``/health`` answer in one word and a sentence (DESIGN §3.2's shapes)."""
+def read_health(status: int, body: bytes, *, identity: str = "") -> Health:
+    """A ``/health`` answer in one word and a sentence; a host that holds another identity
+    than ``identity`` (when given) is :attr:`HealthStatus.WRONG_HOST`."""
     try:
         document = json.loads(body)
+    except (ValueError, RecursionError):
+        document = None
+    if isinstance(document, dict) and _refusal_code(document) == ErrorCode.WRONG_HOST:
+        return Health(HealthStatus.WRONG_HOST, f"HTTP {status}: another host answers here")
+    if isinstance(document, dict) and _refusal_code(document) == ErrorCode.HOST_BUSY:
+        return Health(HealthStatus.BUSY, f"HTTP {status}: serving its maximum of connections")
+    try:
         word = HealthStatus(document["status"])
     except (ValueError, TypeError, KeyError):
+        if backend_never_reached(status, body):
+            return Health(HealthStatus.UNREACHABLE, f"a gateway's HTTP {status}: {body[:200]!r}")
         shown = body[:200].decode("utf-8", "replace")
         return Health(HealthStatus.UNKNOWN, f"HTTP {status} that is not a host's health: {shown!r}")
+    assert isinstance(document, dict)
+    held = document.get(HEALTH_IDENTITY_FIELD)
+    if identity and held != identity_digest(identity):
+        return Health(
+            HealthStatus.WRONG_HOST,
+            f"HTTP {status}: the host here holds "
+            + ("no identity" if held is None else "another identity")
+            + ", not the one launched here (its address was reused)",
+        )
     if word is HealthStatus.READY and status != 200:
         return Health(HealthStatus.UNKNOWN, f"HTTP {status} saying ready")
     detail = f"HTTP {status} {word.value}"
@@ -122,3 +162,8 @@ class Launcher(Protocol):
     async def replace(self, handle: HostHandle) -> HostHandle:
         """Stop ``handle``'s host and launch another in its place, ready; its handle."""
         ...
+
+
+def _refusal_code(document: dict[str, object]) -> object:
+    error = document.get("error")
+    return error.get("code") if isinstance(error, dict) else None

@@ -4,24 +4,26 @@ A :class:`HostPool` (``async with HostPool(hosts) as pool: await pool.run(exampl
 batch into chunks as :class:`~trio_gym.trainer.client.RolloutClient` does and gives each to a
 host with a free slot (``per_host_in_flight`` each); the results come
 back in input order, as ``RolloutClient.run`` gives them. What happens to a chunk whose host
-fails depends on whether the host took it:
+fails is the error's ``reach``, decided where the client built it (the table in
+:mod:`trio_gym.trainer.client`):
 
-- **Never taken** — the connection was refused, no response head came (HTTP/1.1: the host
-  answers its head as soon as it accepts a batch), a proxy's retryable page, or the host's own
-  503 (starting, failed, shutting down, busy): the chunk goes back to the queue, first in line,
-  and the next host with a free slot runs it.
-- **Taken** — the head arrived and the answer did not complete: the chunk fails as
-  ``RolloutClient`` says (proxy, not retried). It is never sent again under the same identity:
-  the host may be running it still. (Checkpoint-aware callers re-send such work as a new attempt
-  through :class:`~trio_gym.trainer.dispatch.Dispatcher`.)
-- Any other failure is the host's answer for that chunk, and the chunk's result.
+- **Unreached** — no host took it (no connection, no response head over HTTP/1.1, the host's
+  "not now", a gateway that could not reach the host): the chunk goes back to the queue, first
+  in line, and the next host with a free slot runs it.
+- **Taken** — the host took it and the answer failed or was cut: the chunk fails, named. It is
+  never sent again under the same identity: the host may be running it still. (Checkpoint-aware
+  callers re-send such work as a new attempt through
+  :class:`~trio_gym.trainer.dispatch.Dispatcher`.)
+- **Refused** — the host's answer for that chunk, and the chunk's result.
 
-A host that failed either way takes no new chunk until it is probed on ``/health``: ``ready``
-and it takes work again; anything else counts as a failure, and ``max_host_failures`` failures
-without a chunk completed in between *eject* it. A launcher that says the host's process is gone
-ejects it at once. With a launcher, an ejected host is replaced (at most ``max_replacements``
-times in the pool's life); without one, or when replacing fails, its slot is gone. When no host
-is left, every chunk still queued fails, naming how each host ended.
+A host whose failure makes it suspect (an unreached chunk, a cut answer, a gateway's error)
+takes no new chunk until it is probed on ``/health``: ``ready`` and it takes work again; a
+stranger at its address (``wrong_host``) is ejected at once; anything else counts as a failure,
+and ``max_host_failures`` failures without a chunk completed in between *eject* it. A launcher
+that says the host's process is gone ejects it at once. With a launcher, an ejected host is
+replaced (at most ``max_replacements`` times in the pool's life); without one, or when
+replacing fails, its slot is gone. When no host is left, every chunk still queued fails, naming
+how each host ended.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from trio_gym.trainer.client import (
     SilentProgress,
     batch_failure,
 )
-from trio_gym.trainer.errors import Origin, RolloutError
+from trio_gym.trainer.errors import Origin, Reach, RolloutError
 from trio_gym.trainer.hosts import HealthStatus, HostHandle, Launcher, LaunchFailed, probe
 
 
@@ -222,7 +224,7 @@ class HostPool:
                     self._open = False
                     nursery.cancel_scope.cancel()
                     closed = RolloutError(
-                        "the pool was closed first", origin=Origin.CLIENT, retryable=False
+                        "the pool was closed first", origin=Origin.CLIENT, reach=Reach.UNREACHED
                     )
                     self._fail_everything_waiting(closed)
         except ExceptionGroup as group:
@@ -366,22 +368,20 @@ class HostPool:
         self, member: _Member, batch: _Batch, index: int, error: RolloutError, elapsed_s: float
     ) -> None:
         name = member.handle.name
-        if _never_taken(error):
+        if error.suspect:
             self._suspect(member, error)
+        if error.reach is Reach.UNREACHED:
             if batch.sends[index] < self.settings.max_chunk_sends:
                 log_event("chunk_requeued", chunk=index, host=name, error=str(error))
                 self._queue.appendleft((batch, index))  # first in line: it has waited longest
                 self._wake()
                 return
-            final = _renamed(
-                error,
+            final = error.renamed(
                 f"chunk {index + 1} was not taken by any host in {batch.sends[index]} sends; "
-                f"the last, to {name}: {error.message}",
+                f"the last, to {name}: {error.message}"
             )
         else:
-            if error.origin is Origin.PROXY:  # the answer died on the way: is the host alive?
-                self._suspect(member, error)
-            final = _renamed(error, f"chunk {index + 1} failed on host {name}: {error.message}")
+            final = error.renamed(f"chunk {index + 1} failed on host {name}: {error.message}")
         batch.answer(index, final, name, elapsed_s)
         self.progress.chunk_failed(index, final)
 
@@ -413,9 +413,15 @@ class HostPool:
                 member.suspect = False
                 log_event("host_ready_again", host=member.handle.name)
                 return
+            if health.status is HealthStatus.WRONG_HOST:
+                self._eject(member, f"its address now answers for another host: {health.detail}")
+                return
+            if health.status is HealthStatus.BUSY:  # alive, and full: no failure, ask again
+                await trio.sleep(settings.probe_interval_s)
+                continue
             member.failures += 1
             member.last_error = RolloutError(
-                f"GET /health: {health.detail}", origin=Origin.SANDBOX, retryable=False
+                f"GET /health: {health.detail}", origin=Origin.SANDBOX, reach=Reach.REFUSED
             )
             await trio.sleep(settings.probe_interval_s)
 
@@ -448,7 +454,9 @@ class HostPool:
         ends = "; ".join(f"{name}: {why}" for name, why in self.ejected.items())
         causes = [m.last_error for m in self._members if m.last_error is not None]
         origin = causes[-1].origin if causes else Origin.PROXY
-        return RolloutError(f"no host is left in the pool ({ends})", origin=origin, retryable=False)
+        return RolloutError(
+            f"no host is left in the pool ({ends})", origin=origin, reach=Reach.UNREACHED
+        )
 
     def _fail_everything_waiting(self, error: RolloutError) -> None:
         """Answer every chunk no host will run now: the pool closed, or no host is left."""
@@ -458,7 +466,7 @@ class HostPool:
 
     def _fail_waiting(self, batch: _Batch, indices: list[int], error: RolloutError) -> None:
         for index in indices:
-            final = _renamed(error, f"chunk {index + 1} was not run: {error.message}")
+            final = error.renamed(f"chunk {index + 1} was not run: {error.message}")
             batch.answer(index, final)
             self.progress.chunk_failed(index, final)
 
@@ -469,20 +477,6 @@ class HostPool:
             limits=self.limits,
             opener=self.opener,
             headers=handle.headers,
+            identity=handle.identity,
         )
         return _Member(handle, client)
-
-
-def _never_taken(error: RolloutError) -> bool:
-    """Whether the host certainly never started the chunk (DESIGN §5, and the host's 503)."""
-    return error.retryable or (error.origin is Origin.SANDBOX and error.status == 503)
-
-
-def _renamed(error: RolloutError, message: str) -> RolloutError:
-    return RolloutError(
-        message,
-        origin=error.origin,
-        retryable=False,
-        status=error.status,
-        code=error.code,
-    )

@@ -5,8 +5,10 @@ for that example alone (with its failure record, as NeMo Gym's collection writes
 ran). The stream ends at the host's ``done`` line (:attr:`RowStream.summary`);
 a batch-level failure there (deadline, shutdown) is raised as a ``sandbox``
 :class:`RolloutError` after the rows that did arrive. A stream that ends *without* its done line
-was cut: a ``proxy`` error naming how many examples never got a row, and not retryable (the host
-already ran them). Examples with no row did not finish; :attr:`RowStream.missing` lists them.
+was cut: named as the client names any cut answer (the host's ``/health`` asked at once:
+``sandbox`` if it is gone, ``proxy`` if it lives), counting the examples that never got a row,
+and taken (the host had started them). Examples with no row did not finish;
+:attr:`RowStream.missing` lists them.
 
 Use it as ``async with client.stream(examples) as rows: async for row in rows: ...`` so the
 connection is closed however the loop ends; a plain ``async for`` closes it when the stream is
@@ -27,7 +29,7 @@ from trio_gym.http import BodyFailed, ClientExchange, NoResponse
 from trio_gym.protocol.rollouts import SIDECAR_RECORD_FIELD
 from trio_gym.trainer.answers import decode_response
 from trio_gym.trainer.deadlines import RequestDeadline
-from trio_gym.trainer.errors import Origin, RolloutError
+from trio_gym.trainer.errors import Origin, Reach, RolloutError
 
 if TYPE_CHECKING:
     from trio_gym.trainer.client import RolloutClient
@@ -147,17 +149,18 @@ class RowStream:
                     ],
                 )
             except NoResponse as exc:
-                raise RolloutError(str(exc), origin=Origin.PROXY, retryable=True) from exc
+                raise client.unanswered(exc) from exc
             if self._head.status_code != 200:
                 await self._refused(self._head)
             return
         waited = client.settings.request_deadline_s
         if self._head is not None:
-            raise self._cut(f"no complete refusal within {waited:g} s (request_deadline_s)")
+            raise await self._cut(f"no complete refusal within {waited:g} s (request_deadline_s)")
         raise RolloutError(
             f"no response headers from {client.endpoint.authority} within {waited:g} s",
             origin=Origin.PROXY,
-            retryable=True,
+            reach=client.unanswered_reach(),
+            suspect=True,
         )
 
     async def _refused(self, head: h11.Response) -> None:
@@ -170,12 +173,12 @@ class RowStream:
                 idle_timeout_s=self._client.settings.idle_timeout_s,
             )
         except BodyFailed as exc:
-            raise RolloutError(str(exc), origin=Origin.PROXY, retryable=False) from exc
+            raise RolloutError(str(exc), origin=Origin.PROXY, reach=Reach.TAKEN) from exc
         decode_response(head.status_code, body)
         raise RolloutError(
             f"HTTP {head.status_code} with a results document instead of rows",
             origin=Origin.SANDBOX,
-            retryable=False,
+            reach=Reach.TAKEN,
             status=head.status_code,
         )
 
@@ -202,27 +205,27 @@ class RowStream:
     async def _read_more(self) -> None:
         assert self._exchange is not None and self._head is not None and self._deadline
         settings = self._client.settings
+        # A cut is named once out of the deadline's scope: the probe that names it is ours.
+        what = f"no done line within {settings.request_deadline_s:g} s (request_deadline_s)"
         with self._deadline.waiting():
             try:
                 data = await self._exchange.next_data(
                     self._head, idle_timeout_s=settings.idle_timeout_s
                 )
             except BodyFailed as exc:
-                raise self._cut(str(exc)) from exc
-            if data is None:
-                raise self._cut("the stream ended without its done line")
-            self._buffer += data
-            return
-        waited = settings.request_deadline_s
-        raise self._cut(f"no done line within {waited:g} s (request_deadline_s)")
+                what = str(exc)
+            else:
+                if data is not None:
+                    self._buffer += data
+                    return
+                what = "the stream ended without its done line"
+        raise await self._cut(what)
 
-    def _cut(self, what: str) -> RolloutError:
-        return RolloutError(
-            f"{what}; {len(self.missing)} of {len(self._examples)} example(s) got no row "
-            "(not retried: the host already started them)",
-            origin=Origin.PROXY,
-            retryable=False,
-            status=200,
+    async def _cut(self, what: str) -> RolloutError:
+        assert self._head is not None
+        return await self._client.cut(
+            f"{what}; {len(self.missing)} of {len(self._examples)} example(s) got no row",
+            self._head.status_code,
         )
 
     def _parse(self, line: bytes) -> Row:
@@ -260,7 +263,7 @@ class RowStream:
                 f"the host stopped the batch: {error.get('code')}: {error.get('message')} "
                 f"({len(self.missing)} example(s) got no row)",
                 origin=Origin.SANDBOX,
-                retryable=False,
+                reach=Reach.TAKEN,
                 status=200,
                 code=str(error.get("code")),
             )
@@ -278,7 +281,7 @@ class RowStream:
         return RolloutError(
             f"the host's row stream broke its contract: {what}",
             origin=Origin.SANDBOX,
-            retryable=False,
+            reach=Reach.TAKEN,
             status=200,
         )
 
