@@ -46,7 +46,9 @@ stop() {
     fi
     rm -f "$state/docker.pid"
   fi
-  rm -rf "$state"  # the server's key and database with it
+  # The daemon's network namespace stays mounted in its exec root after it ends.
+  grep -o " $state/[^ ]*" /proc/mounts 2>/dev/null | sort -r | xargs -r umount 2>/dev/null || true
+  rm -rf "$state" || say "could not remove $state"  # the server's key and database with it
 }
 
 wait_for() {  # wait_for SECONDS WHAT COMMAND...

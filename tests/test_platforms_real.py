@@ -94,9 +94,11 @@ def spec(**fields: Any) -> HostSpec:
 
 @pytest.fixture
 def no_containers_left() -> Iterator[None]:
-    before = set(containers())
+    """No container of ours (a provider's, a sandbox's) outlives the test that made it."""
+    ours = (f"label={LAUNCH_LABEL}", "label=opensandbox.io/id")
+    before = {c for label in ours for c in containers(label)}
     yield
-    left = set(containers()) - before
+    left = {c for label in ours for c in containers(label)} - before
     assert not left, f"containers left behind: {left}"
 
 
