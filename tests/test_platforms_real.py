@@ -24,6 +24,7 @@ from trio_gym.fleet.docker import LAUNCH_LABEL, OWNER_LABEL
 from trio_gym.trainer import RolloutClient, RolloutError
 from trio_gym.trainer.client import ClientSettings
 from trio_gym.trainer.errors import Origin, Reach
+from trio_gym.trainer.hosts import HostHandle
 from trio_gym.trainer.pool import HostPool, PoolSettings
 
 pytestmark = pytest.mark.platform
@@ -102,17 +103,35 @@ def no_containers_left() -> Iterator[None]:
     assert not left, f"containers left behind: {left}"
 
 
-async def run_and_kill(
-    pool: HostPool, batch: list[dict[str, Any]], kill: Any, after_s: float
-) -> list[Any]:
+def pool_over(handles: list[HostHandle], provider: Any) -> HostPool:
+    # Many failures allowed: the provider saying the container is gone is what ejects.
+    return HostPool(
+        handles,
+        PoolSettings(per_host_in_flight=2, probe_interval_s=0.5, max_host_failures=50),
+        client_settings=ClientSettings(chunk_size=2),
+        launcher=provider,
+    )
+
+
+async def serve_lose_one_and_serve_again(
+    pool: HostPool, victim: HostHandle, victim_containers: list[str]
+) -> None:
+    """A batch; a batch during which ``victim``'s container is killed (only what it had taken
+    fails, named); it is replaced; a batch again."""
+    first = await pool.run(examples(12, think_s=0.05))
+    assert [r["_ng_task_index"] for r in first] == list(range(12))
     async with trio.open_nursery() as nursery:
 
         async def kill_later() -> None:
-            await trio.sleep(after_s)
-            await kill()
+            await trio.sleep(1.5)
+            await trio.run_process(["docker", "--host", DOCKER, "kill", *victim_containers])
 
         nursery.start_soon(kill_later)
-        return await pool.outcomes(batch)
+        outcomes = await pool.outcomes(examples(40, think_s=0.5))
+    assert_only_the_killed_hosts_taken_chunks_failed(outcomes, victim.name, most=4)
+    # Ejected and replaced: three hosts again, the victim not among them.
+    assert len(pool.hosts) == 3 and victim not in pool.hosts
+    assert len(await pool.run(examples(12, think_s=0.05))) == 12
 
 
 def assert_only_the_killed_hosts_taken_chunks_failed(
@@ -141,33 +160,17 @@ async def test_docker_hosts_serve_survive_a_killed_container_and_leave_nothing(
     with trio.fail_after(HANG_GUARD_S):
         async with (
             provider.hosts(3, spec(stop_grace_s=2)) as handles,
-            HostPool(
-                handles,
-                PoolSettings(per_host_in_flight=2, probe_interval_s=0.5, max_host_failures=50),
-                client_settings=ClientSettings(chunk_size=2),
-                launcher=provider,
-            ) as pool,
+            pool_over(handles, provider) as pool,
         ):
             assert len(containers(f"label={LAUNCH_LABEL}={provider.launch_id}")) == 3
             assert all(h.url.startswith("http://127.0.0.1:") for h in handles)
             assert len({h.url for h in handles}) == 3  # one port each on the shared network
             for handle in handles:  # none on the machine's other interfaces
                 assert listening_on(port_of(handle.url)) == {"127.0.0.1"}
-            first = await pool.run(examples(12, think_s=0.05))
-            assert [r["_ng_task_index"] for r in first] == list(range(12))
             victim = handles[0]
             victim_container = provider.container_id(victim)
             assert victim_container is not None
-
-            async def kill() -> None:
-                await trio.run_process(["docker", "--host", DOCKER, "kill", victim_container])
-
-            outcomes = await run_and_kill(pool, examples(40, think_s=0.5), kill, after_s=1.5)
-            assert_only_the_killed_hosts_taken_chunks_failed(outcomes, victim.name, most=4)
-            # Ejected and replaced: three hosts again, the victim not among them.
-            assert len(pool.hosts) == 3 and victim not in pool.hosts
-            again = await pool.run(examples(12, think_s=0.05))
-            assert len(again) == 12
+            await serve_lose_one_and_serve_again(pool, victim, [victim_container])
     assert containers(f"label={LAUNCH_LABEL}={provider.launch_id}") == []
 
 
@@ -257,12 +260,7 @@ async def test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_co
     with trio.fail_after(HANG_GUARD_S):
         async with (
             provider.hosts(3, spec(stop_grace_s=2)) as handles,
-            HostPool(
-                handles,
-                PoolSettings(per_host_in_flight=2, probe_interval_s=0.5, max_host_failures=50),
-                client_settings=ClientSettings(chunk_size=2),
-                launcher=provider,
-            ) as pool,
+            pool_over(handles, provider) as pool,
         ):
             assert len(live_sandboxes()) == 3
             assert all("/proxy/" in h.url for h in handles)
@@ -273,8 +271,6 @@ async def test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_co
                 assert listening_on(port) == {"127.0.0.1"}
             # Each took a port no other host of the provider held: none had to try again.
             assert not [r for r in caplog.records if r.msg == "sandbox_port_in_use"]
-            first = await pool.run(examples(12, think_s=0.05))
-            assert [r["_ng_task_index"] for r in first] == list(range(12))
             second = handles[1]
             client = RolloutClient(second.url, headers=second.headers, identity=second.identity)
             async with client.stream(examples(3, 0.05)) as rows:
@@ -283,15 +279,7 @@ async def test_opensandbox_hosts_serve_through_the_proxy_and_survive_a_killed_co
             sandbox = provider.sandbox_id(victim)
             victim_containers = containers(f"label=opensandbox.io/id={sandbox}")
             assert len(victim_containers) == 1
-
-            async def kill() -> None:
-                await trio.run_process(["docker", "--host", DOCKER, "kill", *victim_containers])
-
-            outcomes = await run_and_kill(pool, examples(40, think_s=0.5), kill, after_s=1.5)
-            assert_only_the_killed_hosts_taken_chunks_failed(outcomes, victim.name, most=4)
-            assert len(pool.hosts) == 3 and victim not in pool.hosts
-            again = await pool.run(examples(12, think_s=0.05))
-            assert len(again) == 12
+            await serve_lose_one_and_serve_again(pool, victim, victim_containers)
     with trio.fail_after(60):
         while live_sandboxes() or sandbox_containers():  # noqa: ASYNC110 (the server's state)
             await trio.sleep(0.5)
