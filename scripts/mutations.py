@@ -2399,6 +2399,57 @@ MUTATIONS = [
         "    if machine != _machine() or not pid.isdigit():",
         ("tests/test_docker_provider.py::test_only_this_machines_dead_trainers_own_orphans",),
     ),
+    Mutation(
+        "no head timeout: a stalled host holds a chunk to the request deadline (#24)",
+        "trio_gym/trainer/client.py",
+        "                    head_timeout_s=self.head_timeout_s,",
+        "                    head_timeout_s=math.inf,",
+        (
+            "tests/test_client.py::test_a_host_that_never_answers_its_head_is_given_up_on_at_the_head_timeout",
+            "tests/test_run_command.py::test_a_host_that_never_answers_is_given_up_on_at_the_flags_timeouts",
+        ),
+    ),
+    Mutation(
+        "the head timeout counted from the request's start (a big upload times out) (#24)",
+        "trio_gym/http/client.py",
+        "        head_wait = trio.CancelScope()",
+        "        head_wait = trio.CancelScope(deadline=trio.current_time() + head_timeout_s)",
+        ("tests/test_client.py::test_the_head_timeout_starts_when_the_upload_ends_not_before",),
+        also=(
+            (
+                "trio_gym/http/client.py",
+                "            head_wait.deadline = trio.current_time() + head_timeout_s\n",
+                "",
+            ),
+        ),
+    ),
+    Mutation(
+        "a head timeout over HTTP/1.0 (whose host answers only at the end) (#24)",
+        "trio_gym/trainer/client.py",
+        '        return self.settings.head_timeout_s if self.settings.http_version == "1.1" else math.inf',
+        "        return self.settings.head_timeout_s",
+        (
+            "tests/test_client.py::test_over_http_10_the_head_is_bounded_by_the_request_deadline_only",
+        ),
+    ),
+    Mutation(
+        "no connect timeout (#24)",
+        "trio_gym/http/client.py",
+        "        with trio.move_on_after(connect_timeout_s):",
+        "        with trio.move_on_after(math.inf):",
+        (
+            "tests/test_client.py::test_a_connection_that_never_opens_is_given_up_on_at_the_connect_timeout",
+        ),
+    ),
+    Mutation(
+        "trio-gym run ignores --head-timeout and --idle-timeout (#24)",
+        "trio_gym/cli.py",
+        "            idle_timeout_s=args.idle_timeout,\n            head_timeout_s=args.head_timeout,\n",
+        "",
+        (
+            "tests/test_run_command.py::test_a_host_that_never_answers_is_given_up_on_at_the_flags_timeouts",
+        ),
+    ),
 ]
 
 

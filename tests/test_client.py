@@ -19,6 +19,7 @@ from tests.canned import (
     chunked_response,
     hang_up,
     json_response,
+    read_request,
     respond,
     stall,
 )
@@ -539,3 +540,82 @@ async def test_over_http_10_a_proxys_page_may_hide_a_batch_that_ran_so_it_is_tak
             await RolloutClient(URL, settings, opener=canned.open).run([{"seed": 1}])
     assert (failure.value.origin, failure.value.reach) == (Origin.PROXY, Reach.TAKEN)
     assert len(canned.requests) == 1
+
+
+async def test_a_host_that_never_answers_its_head_is_given_up_on_at_the_head_timeout(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A stalled host (SIGSTOP, a wedged proxy) holds no chunk to the request deadline: once
+    the request is sent, its head has head_timeout_s; no head over HTTP/1.1 is unreached."""
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [stall])
+        settings = ClientSettings(head_timeout_s=10, max_attempts=2, backoff_s=0)
+        client = RolloutClient(URL, settings, opener=canned.open)
+        start = trio.current_time()
+        with pytest.raises(RolloutError) as failure:
+            await client.run([{"seed": 1}])
+        assert trio.current_time() - start == 20  # two tries, 10 s each
+        nursery.cancel_scope.cancel()
+    assert (failure.value.origin, failure.value.reach) == (Origin.PROXY, Reach.UNREACHED)
+    assert "within 10 s of the request's end (head_timeout_s)" in failure.value.message
+
+
+async def test_the_head_timeout_starts_when_the_upload_ends_not_before(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A big chunk to a slow reader: its upload's time is not the head's."""
+    answered = json_response(200, b'{"results": [{"ok": true}]}')
+
+    async def slow_reader(endpoint: object) -> trio.abc.Stream:
+        client, server = trio.testing.lockstep_stream_pair()
+
+        async def serve() -> None:
+            await trio.sleep(25)  # reads nothing for 25 s (within send_timeout_s): it waits
+            await read_request(server)
+            await trio.sleep(5)  # then answers within the head timeout
+            await server.send_all(answered)
+            await server.aclose()
+
+        nursery.start_soon(serve)
+        return client
+
+    async with trio.open_nursery() as nursery:
+        client = RolloutClient(URL, ClientSettings(head_timeout_s=10), opener=slow_reader)
+        start = trio.current_time()
+        assert await client.run([{"prompt": "x" * 200_000}]) == [{"ok": True}]
+        assert trio.current_time() - start == 30  # past head_timeout_s from the start
+
+
+async def test_over_http_10_the_head_is_bounded_by_the_request_deadline_only(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A 1.0 host answers when the batch is done: its head comes at the end, after any
+    head_timeout_s."""
+    answered = json_response(200, b'{"results": [{"ok": true}]}')
+
+    async def answer_late(stream: trio.abc.Stream) -> None:
+        await trio.sleep(300)
+        await stream.send_all(answered)
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [answer_late])
+        settings = ClientSettings(http_version="1.0", head_timeout_s=10)
+        results = await RolloutClient(URL, settings, opener=canned.open).run([{"seed": 1}])
+    assert results == [{"ok": True}]
+
+
+async def test_a_connection_that_never_opens_is_given_up_on_at_the_connect_timeout(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async def never_connects(endpoint: object) -> trio.abc.Stream:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    settings = ClientSettings(connect_timeout_s=5, max_attempts=3, backoff_s=1)
+    start = trio.current_time()
+    with pytest.raises(RolloutError) as failure:
+        await RolloutClient(URL, settings, opener=never_connects).run([{"seed": 1}])
+    assert trio.current_time() - start == 3 * 5 + 1 + 2  # three tries and two backoffs
+    assert (failure.value.origin, failure.value.reach) == (Origin.PROXY, Reach.UNREACHED)
+    assert "could not connect to sandbox.invalid:8080 within 5 s" in failure.value.message

@@ -238,3 +238,41 @@ async def test_a_choice_of_hosts_that_cannot_work_exits_2_saying_why(
     done = await trio_gym_run(str(examples), *hosts)
     assert done.returncode == 2
     assert expected in done.stderr
+
+
+async def test_a_host_that_never_answers_is_given_up_on_at_the_flags_timeouts(
+    tmp_path: Path,
+) -> None:
+    """A stalled host (it takes the connection, then says nothing): --head-timeout bounds the
+    wait for its head; a host that answers its head and then goes silent, --idle-timeout."""
+    examples = write_examples(tmp_path / "in.jsonl", [{"seed": 1}])
+    async with trio.open_nursery() as nursery:
+        silent = trio.socket.socket()
+        await silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        held: list[trio.socket.SocketType] = []
+
+        async def accept_and_say_nothing() -> None:
+            while True:
+                connection, _ = await silent.accept()
+                held.append(connection)  # open, read by no one: a SIGSTOPped host
+
+        nursery.start_soon(accept_and_say_nothing)
+        port = silent.getsockname()[1]
+        stalled = await trio_gym_run(
+            str(examples), "--url", f"http://127.0.0.1:{port}", "--max-attempts", "1",
+            "--head-timeout", "0.5", "--request-deadline", "30",
+        )  # fmt: skip
+        nursery.cancel_scope.cancel()
+    for connection in held:
+        connection.close()
+    silent.close()
+    async with running_host(runner=CountingRunner()) as (host, port):
+        quiet = await trio_gym_run(
+            str(write_examples(tmp_path / "long.jsonl", [{"seed": 1, "think_s": 30}])),
+            "--url", f"http://127.0.0.1:{port}", "--idle-timeout", "0.5",
+        )  # fmt: skip
+    assert stalled.returncode == 1 and b"failed (proxy)" in stalled.stderr
+    assert b"within 0.5 s of the request's end (head_timeout_s)" in stalled.stderr
+    assert quiet.returncode == 1  # heartbeats every 15 s: 0.5 s of silence ends it
+    assert b"0.5" in quiet.stderr

@@ -145,6 +145,27 @@ def _parser() -> argparse.ArgumentParser:
         "--max-attempts", type=int, default=3, help="tries per chunk, with one host (3)"
     )
     run_cmd.add_argument("--deadline", type=float, help="deadline_s sent with each request")
+    defaults = ClientSettings()
+    run_cmd.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=defaults.idle_timeout_s,
+        help=f"the longest silence in an answer, in s ({defaults.idle_timeout_s:g}; heartbeats "
+        "come every 15 s)",
+    )
+    run_cmd.add_argument(
+        "--head-timeout",
+        type=float,
+        default=defaults.head_timeout_s,
+        help=f"how long an answer's head may take once a request is sent, in s "
+        f"({defaults.head_timeout_s:g}; a host sends it on admitting the batch)",
+    )
+    run_cmd.add_argument(
+        "--request-deadline",
+        type=float,
+        default=defaults.request_deadline_s,
+        help=f"the longest a request may take in all, in s ({defaults.request_deadline_s:g})",
+    )
     run_cmd.add_argument(
         "--http10", action="store_true", help="speak HTTP/1.0 (buffered answers, no heartbeats)"
     )
@@ -300,6 +321,9 @@ def _run(args: argparse.Namespace) -> int:
             max_in_flight=args.max_in_flight,
             max_attempts=args.max_attempts,
             host_deadline_s=args.deadline,
+            idle_timeout_s=args.idle_timeout,
+            head_timeout_s=args.head_timeout,
+            request_deadline_s=args.request_deadline,
             http_version="1.0" if args.http10 else "1.1",
             failures="records",  # a failed example costs no other its result
         )

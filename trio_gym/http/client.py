@@ -12,6 +12,7 @@ apart, because only the first may be retried without running anything twice:
 from __future__ import annotations
 
 import ipaddress
+import math
 import socket
 import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
@@ -147,11 +148,18 @@ class ClientExchange:
         *,
         opener: StreamOpener = open_tcp,
         request_version: bytes = b"1.1",
+        connect_timeout_s: float = math.inf,
     ) -> ClientExchange:
-        try:
-            stream = await opener(endpoint)
-        except OSError as exc:
-            raise ConnectFailed(f"could not connect to {endpoint.authority}: {exc}") from exc
+        with trio.move_on_after(connect_timeout_s):
+            try:
+                stream = await opener(endpoint)
+            except OSError as exc:
+                raise ConnectFailed(f"could not connect to {endpoint.authority}: {exc}") from exc
+            conn = HttpConnection(stream, h11.CLIENT, limits, request_version=request_version)
+            return cls(conn, endpoint)
+        raise ConnectFailed(
+            f"could not connect to {endpoint.authority} within {connect_timeout_s:g} s"
+        )
         conn = HttpConnection(stream, h11.CLIENT, limits, request_version=request_version)
         return cls(conn, endpoint)
 
@@ -173,16 +181,20 @@ class ClientExchange:
         body: bytes = b"",
         *,
         headers: Sequence[tuple[str, str]] = (),
+        head_timeout_s: float = math.inf,
     ) -> h11.Response:
         """Upload the request while watching for the answer; return the final response head.
 
         A server may answer before the upload ends (a 413 decided from the declared length) and
         then stop reading; an upload that waited to finish before reading would die on a broken
         pipe and never see the answer. So the head is awaited beside the upload, and an early
-        head ends the upload. Raises :class:`NoResponse`.
+        head ends the upload. Once the upload has ended, the head has ``head_timeout_s`` to
+        come (an upload's own time is not counted: a big one may take long). Raises
+        :class:`NoResponse`.
         """
         request = build_request(self.endpoint, method, path, body, headers)  # bugs raise here
         upload_failed: ConnectionLost | None = None
+        head_wait = trio.CancelScope()
 
         async def upload() -> None:
             nonlocal upload_failed
@@ -190,6 +202,7 @@ class ClientExchange:
                 await send_message(self.conn, request, body)
             except ConnectionLost as exc:
                 upload_failed = exc  # the answer may still be readable; the head decides
+            head_wait.deadline = trio.current_time() + head_timeout_s
 
         failure: Exception | None = None
         head: h11.Response | None = None
@@ -197,12 +210,19 @@ class ClientExchange:
             # Taken by the kernel's buffer at once: no early answer can be missed while it
             # goes, and a task to watch for one would cost more than the exchange.
             await upload()
-            head, failure = await _response_head(self.conn)
+            with head_wait:
+                head, failure = await _response_head(self.conn)
         else:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(upload)
-                head, failure = await _response_head(self.conn)
+                with head_wait:
+                    head, failure = await _response_head(self.conn)
                 nursery.cancel_scope.cancel()
+        if head_wait.cancelled_caught:
+            raise NoResponse(
+                f"no response head from {self.endpoint.authority} within {head_timeout_s:g} s "
+                "of the request's end (head_timeout_s)"
+            )
         if head is None:
             cause = failure if upload_failed is None else f"{upload_failed}; then {failure}"
             raise NoResponse(f"no response from {self.endpoint.authority}: {cause}") from failure
@@ -262,13 +282,19 @@ async def exchange(
     request_version: bytes = b"1.1",
     on_head: Callable[[h11.Response], None] | None = None,
     on_data: Callable[[bytes], None] | None = None,
+    connect_timeout_s: float = math.inf,
+    head_timeout_s: float = math.inf,
 ) -> Response:
     """One whole request and response; raises :class:`NoResponse` or :class:`BodyFailed`."""
     opened = await ClientExchange.open(
-        endpoint, limits, opener=opener, request_version=request_version
+        endpoint,
+        limits,
+        opener=opener,
+        request_version=request_version,
+        connect_timeout_s=connect_timeout_s,
     )
     async with opened:
-        head = await opened.send(method, path, body, headers=headers)
+        head = await opened.send(method, path, body, headers=headers, head_timeout_s=head_timeout_s)
         if on_head is not None:
             on_head(head)
         data = await opened.read_body(

@@ -45,6 +45,7 @@ failure.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, Protocol
 
@@ -115,6 +116,12 @@ class ClientSettings:
     max_response_bytes: int = 256 * 1024 * 1024
     idle_timeout_s: float = 120.0
     """The longest gap between bytes of a response; heartbeats (15 s) keep a healthy one busy."""
+    connect_timeout_s: float = 30.0
+    """How long a connection may take to open."""
+    head_timeout_s: float = 60.0
+    """How long the response head may take once the request is sent: a host answers it as soon
+    as it has read the batch (over HTTP/1.1; a 1.0 host answers at the end, so there only
+    ``request_deadline_s`` bounds it). A stalled host is found in this, not in the deadline."""
     http_version: Literal["1.1", "1.0"] = "1.1"
     """``1.0`` asks for the host's buffered answer (no heartbeats), for 1.0-only proxies."""
     failures: FailureMode = "batch"
@@ -126,6 +133,9 @@ class ClientSettings:
         for name in ("chunk_size", "max_in_flight", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        for name in ("request_deadline_s", "idle_timeout_s", "connect_timeout_s", "head_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive")
 
 
 class RolloutClient:
@@ -286,6 +296,8 @@ class RolloutClient:
                     request_version=self.settings.http_version.encode(),
                     on_head=heard.on_head,
                     on_data=heard.on_data,
+                    connect_timeout_s=self.settings.connect_timeout_s,
+                    head_timeout_s=self.head_timeout_s,
                 )
             except NoResponse as exc:
                 raise self.unanswered(exc) from exc
@@ -316,6 +328,11 @@ class RolloutClient:
                 status=status,
             )
         return results
+
+    @property
+    def head_timeout_s(self) -> float:
+        """The head's bound (a 1.0 host answers only at the end: none of its own there)."""
+        return self.settings.head_timeout_s if self.settings.http_version == "1.1" else math.inf
 
     def unanswered_reach(self, failure: NoResponse | None = None) -> Reach:
         """Whether a chunk with no response head was taken (the module docstring's (*))."""

@@ -136,7 +136,10 @@ class RowStream:
         with self._deadline.waiting():
             try:
                 self._exchange = await ClientExchange.open(
-                    client.endpoint, client.limits, opener=client.opener
+                    client.endpoint,
+                    client.limits,
+                    opener=client.opener,
+                    connect_timeout_s=client.settings.connect_timeout_s,
                 )
                 self._head = await self._exchange.send(
                     "POST",
@@ -147,6 +150,7 @@ class RowStream:
                         ("accept", NDJSON),
                         *client.headers,
                     ],
+                    head_timeout_s=client.head_timeout_s,
                 )
             except NoResponse as exc:
                 raise client.unanswered(exc) from exc
