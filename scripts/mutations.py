@@ -2228,7 +2228,8 @@ MUTATIONS = [
     Mutation(
         "the host serves a request carrying another host's identity (#23)",
         "trio_gym/host/server.py",
-        "    if host.config.host_identity:\n        _check_identity(host.config.host_identity, head)",
+        "    if host.config.host_identity:  # before busy: a busy stranger is still a stranger\n"
+        "        _check_identity(host.config.host_identity, head)",
         "    pass",
         (
             "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
@@ -2356,6 +2357,14 @@ MUTATIONS = [
         "            pass",
         (
             "tests/test_platforms_real.py::test_docker_hosts_serve_survive_a_killed_container_and_leave_nothing",
+        ),
+        # The launch's leftovers are removed at the block's end too: both, or the rule holds.
+        also=(
+            (
+                "trio_gym/fleet/docker.py",
+                "            with trio.CancelScope(shield=True):\n                await self._remove_leftovers()",
+                "            pass",
+            ),
         ),
     ),
     Mutation(
