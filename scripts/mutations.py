@@ -280,8 +280,8 @@ MUTATIONS = [
     Mutation(
         "the number of results is not checked",
         "trio_gym/trainer/client.py",
-        "            if len(results) != len(examples):",
-        "            if False:",
+        "        if len(results) != expected:",
+        "        if False:",
         ("tests/test_client.py::test_each_answer_is_named_and_taken_or_not_by_one_rule",),
     ),
     Mutation(
