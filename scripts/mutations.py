@@ -2459,6 +2459,24 @@ MUTATIONS = [
             "tests/test_run_command.py::test_a_host_that_never_answers_is_given_up_on_at_the_flags_timeouts",
         ),
     ),
+    Mutation(
+        "control calls without the host's identity and platform headers (#24)",
+        "trio_gym/trainer/control.py",
+        "                        *self._headers,\n",
+        "",
+        (
+            "tests/test_reach.py::test_a_dispatchers_host_carries_its_identity_on_rollouts_and_control_calls",
+        ),
+    ),
+    Mutation(
+        "a dispatcher's host built from a handle sends no identity with its batches (#24)",
+        "trio_gym/trainer/dispatch.py",
+        "            identity=handle.identity, opener=opener,",
+        "            opener=opener,",
+        (
+            "tests/test_reach.py::test_a_dispatchers_host_carries_its_identity_on_rollouts_and_control_calls",
+        ),
+    ),
 ]
 
 

@@ -21,6 +21,8 @@ from trio_gym.http import Endpoint, HttpLimits, exchange
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER, identity_digest
 from trio_gym.trainer import RolloutClient, RolloutError
 from trio_gym.trainer.client import ClientSettings
+from trio_gym.trainer.control import ControlError
+from trio_gym.trainer.dispatch import RemoteHost
 from trio_gym.trainer.errors import Origin, Reach
 from trio_gym.trainer.hosts import HealthStatus, HostHandle, probe
 from trio_gym.trainer.pool import HostPool, PoolSettings
@@ -209,3 +211,29 @@ async def test_a_busy_host_is_probed_not_sent_the_same_chunk_again_and_not_eject
             assert pool.ejected == {}
     assert len([body for body in full.requests if body]) == 1  # one chunk tried, then probes
     assert len(runner.started) == 4
+
+
+async def test_a_dispatchers_host_carries_its_identity_on_rollouts_and_control_calls(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A checkpointing trainer's hosts, built from a provider's handles, reach only their own
+    host: a stranger refuses both their batches and their control calls."""
+    host = Host(
+        ServeConfig(port=0, control_token="t0ken", host_identity="ours"), runner=CountingRunner()
+    )
+    async with trio.open_nursery() as nursery:
+        opener = in_memory(nursery, host)
+        ours = RemoteHost.launched(
+            HostHandle("a", A, control_token="t0ken", identity="ours"), opener=opener
+        )
+        stranger = RemoteHost.launched(
+            HostHandle("a", A, control_token="t0ken", identity="theirs"), opener=opener
+        )
+        assert (await ours.control.status(timeout_s=5)) is not None
+        assert len(await ours.client.run(examples(1))) == 1
+        with pytest.raises(ControlError) as refused:
+            await stranger.control.status(timeout_s=5)
+        assert (refused.value.status, refused.value.code) == (421, "wrong_host")
+        with pytest.raises(RolloutError) as failure:
+            await stranger.client.run(examples(1))
+        assert failure.value.code == "wrong_host"

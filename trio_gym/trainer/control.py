@@ -83,19 +83,23 @@ def reply_as(model: type[R], document: Mapping[str, Any], operation: str, host: 
 
 
 class HostControl:
-    """The control plane of one host: ``await control.prepare("ckpt-7", timeout_s=30)``."""
+    """The control plane of one host: ``await control.prepare("ckpt-7", timeout_s=30)``.
+    ``headers`` go with every call (a platform's proxy's, the host's identity: a launched
+    host's ``HostHandle.request_headers()``)."""
 
     def __init__(
         self,
         url: str,
         token: str,
         *,
+        headers: Sequence[tuple[str, str]] = (),
         limits: HttpLimits | None = None,
         opener: StreamOpener = open_tcp,
         wall_time: Callable[[], float] = time.time,  # clock-ok: deadlines cross machines
         reply_grace_s: float = REPLY_GRACE_S,
     ) -> None:
         self.endpoint = Endpoint.parse(url)
+        self._headers = tuple(headers)
         self._token = token
         self._limits = limits or HttpLimits()
         self._opener = opener
@@ -189,6 +193,7 @@ class HostControl:
                     headers=[
                         ("authorization", f"Bearer {self._token}"),
                         ("content-type", "application/json"),
+                        *self._headers,
                     ],
                     opener=self._opener,
                 )

@@ -40,7 +40,7 @@ import attrs
 import trio
 
 from trio_gym.errors import raise_unwrapped
-from trio_gym.http import ConnectFailed
+from trio_gym.http import ConnectFailed, StreamOpener, open_tcp
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import RetireReply
 from trio_gym.protocol.identity import ATTEMPT_KEY, ROLLOUT_ID_KEY
@@ -49,6 +49,7 @@ from trio_gym.trainer.control import ControlError, HostControl, reply_as
 from trio_gym.trainer.deadlines import DeadlineRegistry
 from trio_gym.trainer.errors import Origin, RolloutError
 from trio_gym.trainer.gate import DispatchGate
+from trio_gym.trainer.hosts import HostHandle
 from trio_gym.trainer.ledger import Attempt, AttemptState, Ledger
 from trio_gym.trainer.stream import Row, RowError, RowStream
 
@@ -78,7 +79,29 @@ class RemoteHost:
         settings: ClientSettings | None = None,
         deadlines: DeadlineRegistry | None = None,
     ) -> RemoteHost:
-        return cls(name, RolloutClient(url, settings, deadlines=deadlines), HostControl(url, token))
+        """A host known by its URL and control token."""
+        handle = HostHandle(name, url, control_token=token)
+        return cls.launched(handle, settings=settings, deadlines=deadlines)
+
+    @classmethod
+    def launched(
+        cls,
+        handle: HostHandle,
+        *,
+        settings: ClientSettings | None = None,
+        deadlines: DeadlineRegistry | None = None,
+        opener: StreamOpener = open_tcp,
+    ) -> RemoteHost:
+        """A host a provider launched: its requests and control calls carry the handle's
+        headers (a platform's proxy may want its own) and identity."""
+        client = RolloutClient(
+            handle.url, settings, deadlines=deadlines, headers=handle.headers,
+            identity=handle.identity, opener=opener,
+        )  # fmt: skip
+        control = HostControl(
+            handle.url, handle.control_token, headers=handle.request_headers(), opener=opener
+        )
+        return cls(handle.name, client, control)
 
 
 @attrs.frozen
