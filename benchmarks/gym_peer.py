@@ -917,21 +917,14 @@ def main() -> None:
                                 kind,
                                 bench.collect(kind, "think", think_rows, args.rows, args.rows),
                             )
+                    cancels = (
+                        ("cancel-fast", cancel_fast, args.in_flight),
+                        ("cancel-think", cancel_think, args.cancel_rows),
+                    )
                     for _rep in range(args.cancel_reps if capture == "off" else 0):
-                        for kind in COLLECTORS:
-                            if "cancel" in only:
-                                record(
-                                    "cancel-fast",
-                                    kind,
-                                    bench.cancel(kind, cancel_fast, args.in_flight),
-                                )
-                        for kind in COLLECTORS:
-                            if "cancel" in only:
-                                record(
-                                    "cancel-think",
-                                    kind,
-                                    bench.cancel(kind, cancel_think, args.cancel_rows),
-                                )
+                        for scenario, rows, count in cancels if "cancel" in only else ():
+                            for kind in COLLECTORS:
+                                record(scenario, kind, bench.cancel(kind, rows, count))
         finally:
             leftovers = cleanup(gym)
     summary = {w: {k: median_of(runs) for k, runs in by.items()} for w, by in results.items()}

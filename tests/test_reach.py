@@ -5,7 +5,6 @@ processes (a second host takes over the first one's port)."""
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +12,7 @@ import pytest
 import trio
 
 from tests.canned import CannedHost, chunked_response, json_response, respond
+from tests.fake_opensandbox import free_port
 from tests.helpers import CountingRunner, in_memory
 from tests.processes import serve_process
 from trio_gym.config import ServeConfig
@@ -46,6 +46,16 @@ def routed(openers: dict[str, Any]) -> Callable[[Endpoint], Any]:
     return open_stream
 
 
+def pool_over(handles: list[HostHandle], opener: Any, **settings: Any) -> HostPool:
+    """A pool of chunks of one, probing every second, no backoff: the tests' clock is virtual."""
+    return HostPool(
+        handles,
+        PoolSettings(probe_interval_s=1, **settings),
+        client_settings=ClientSettings(chunk_size=1, backoff_s=0),
+        opener=opener,
+    )
+
+
 def examples(count: int) -> list[dict[str, Any]]:
     return [{"seed": i, "meetings": 1, "think_s": 1, "_ng_task_index": i} for i in range(count)]
 
@@ -58,11 +68,11 @@ async def test_a_gateway_that_cannot_reach_a_host_costs_no_chunk_and_the_host_is
     async with trio.open_nursery() as nursery:
         gone = CannedHost(nursery, [respond(GATEWAY_GONE)])
         opener = routed({A: gone.open, B: in_memory(nursery, healthy)})
-        async with HostPool(
+        async with pool_over(
             [HostHandle("a", A), HostHandle("b", B)],
-            PoolSettings(per_host_in_flight=2, probe_interval_s=1, max_host_failures=2),
-            client_settings=ClientSettings(chunk_size=1, backoff_s=0),
-            opener=opener,
+            opener,
+            per_host_in_flight=2,
+            max_host_failures=2,
         ) as pool:
             outcomes = await pool.outcomes(examples(6))
             assert [outcome["_ng_task_index"] for outcome in outcomes] == list(range(6))
@@ -84,11 +94,8 @@ async def test_a_cut_answer_fails_its_chunk_once_and_its_host_is_probed_before_m
                 respond(json_response(200, b'{"results": [{"ok": true}]}')),
             ],
         )
-        async with HostPool(
-            [HostHandle("a", A)],
-            PoolSettings(per_host_in_flight=1, probe_interval_s=1),
-            client_settings=ClientSettings(chunk_size=1, backoff_s=0),
-            opener=routed({A: cut_then_ready.open}),
+        async with pool_over(
+            [HostHandle("a", A)], routed({A: cut_then_ready.open}), per_host_in_flight=1
         ) as pool:
             outcomes = await pool.outcomes([{"seed": 0}, {"seed": 1}])
     error = outcomes[0]
@@ -107,11 +114,10 @@ async def test_a_stranger_at_a_hosts_address_is_refused_and_ejected_and_the_chun
     ours = Host(ServeConfig(port=0, host_identity="ours-b"), runner=runner)
     async with trio.open_nursery() as nursery:
         opener = routed({A: in_memory(nursery, stranger), B: in_memory(nursery, ours)})
-        async with HostPool(
+        async with pool_over(
             [HostHandle("a", A, identity="ours-a"), HostHandle("b", B, identity="ours-b")],
-            PoolSettings(per_host_in_flight=1, probe_interval_s=1),
-            client_settings=ClientSettings(chunk_size=1, backoff_s=0),
-            opener=opener,
+            opener,
+            per_host_in_flight=1,
         ) as pool:
             outcomes = await pool.outcomes(examples(3))
             assert "its address now answers for another host" in pool.ejected["a"]
@@ -157,13 +163,6 @@ async def test_a_host_with_an_identity_refuses_another_naming_neither_and_says_i
         assert health["identity"] == identity_digest("the-right-one") != "the-right-one"
 
 
-def _free_port() -> int:
-    with socket.socket() as probe_socket:
-        probe_socket.bind(("127.0.0.1", 0))
-        port: int = probe_socket.getsockname()[1]
-        return port
-
-
 @pytest.mark.parametrize("stranger_identity", ["theirs", None], ids=["with-one", "without"])
 async def test_a_second_host_on_the_first_ones_port_refuses_the_first_ones_caller(
     stranger_identity: str | None,
@@ -171,7 +170,7 @@ async def test_a_second_host_on_the_first_ones_port_refuses_the_first_ones_calle
     """A sandbox dies and another job's host gets its address: the first host's caller is
     refused by a stranger with an identity, and a probe finds out one without (README: such a
     stranger answers what reaches it before the probe)."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     first = HostHandle("first", url, identity="ours")
     async with serve_process("--port", str(port), env={"NMP_HOST_IDENTITY": "ours"}):
@@ -200,11 +199,11 @@ async def test_a_busy_host_is_probed_not_sent_the_same_chunk_again_and_not_eject
     async with trio.open_nursery() as nursery:
         full = CannedHost(nursery, [respond(busy)])
         opener = routed({A: full.open, B: in_memory(nursery, healthy)})
-        async with HostPool(
+        async with pool_over(
             [HostHandle("a", A), HostHandle("b", B)],
-            PoolSettings(per_host_in_flight=1, probe_interval_s=1, max_host_failures=2),
-            client_settings=ClientSettings(chunk_size=1, backoff_s=0),
-            opener=opener,
+            opener,
+            per_host_in_flight=1,
+            max_host_failures=2,
         ) as pool:
             outcomes = await pool.outcomes(examples(4))
             assert [outcome["_ng_task_index"] for outcome in outcomes] == list(range(4))

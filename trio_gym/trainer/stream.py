@@ -178,7 +178,7 @@ class RowStream:
             )
         except BodyFailed as exc:
             raise RolloutError(str(exc), origin=Origin.PROXY, reach=Reach.TAKEN) from exc
-        decode_response(head.status_code, body)
+        decode_response(head.status_code, body, page_reach=self._client.unanswered_reach())
         raise RolloutError(
             f"HTTP {head.status_code} with a results document instead of rows",
             origin=Origin.SANDBOX,
