@@ -26,9 +26,10 @@ import trio
 
 from trio_gym.fleet import HostSpec, LocalProvider
 from trio_gym.logs import LOGGER
-from trio_gym.trainer.client import ClientSettings
 from trio_gym.trainer.errors import RolloutError
-from trio_gym.trainer.pool import HostPool, PoolSettings
+from trio_gym.trainer.host_client import ClientSettings
+from trio_gym.trainer.pool import HostPool
+from trio_gym.trainer.scheduler import SchedulerSettings
 
 CHUNK_SIZE = 2
 PER_HOST_IN_FLIGHT = 2
@@ -57,7 +58,7 @@ def batch(count: int, think_s: float) -> list[dict[str, Any]]:
 def pool_over(handles: Any, provider: LocalProvider) -> HostPool:
     return HostPool(
         handles,
-        PoolSettings(per_host_in_flight=PER_HOST_IN_FLIGHT, probe_interval_s=0.1),
+        SchedulerSettings(per_host_in_flight=PER_HOST_IN_FLIGHT, probe_interval_s=0.1),
         client_settings=ClientSettings(chunk_size=CHUNK_SIZE),
         launcher=provider,
     )

@@ -15,11 +15,13 @@ from tests.streams import socket_like_pair
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
 from trio_gym.runners import ExampleContext, ExampleRunner, Runner
-from trio_gym.trainer.client import ClientSettings, RolloutClient
 from trio_gym.trainer.control import HostControl
 from trio_gym.trainer.coordinator import CheckpointCoordinator, CheckpointSettings
 from trio_gym.trainer.deadlines import DeadlineRegistry
-from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, RemoteHost, SealedResult
+from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, SealedResult
+from trio_gym.trainer.host_client import ClientSettings, HostClient
+from trio_gym.trainer.hosts import HostHandle
+from trio_gym.trainer.scheduler import RemoteHost, SchedulerSettings
 
 EPOCH = 1_800_000_000.0
 TOKEN = "fleet-token"
@@ -85,6 +87,12 @@ class Fleet:
     """Host -> whether each next connection is muted (popped as connections open)."""
     opened: dict[str, list[float]]
     """Host -> when (trio time) the trainer opened each connection to it."""
+    world: World
+
+    def kill(self, name: str) -> None:
+        """Host ``name``'s process dies: everything it runs stops, its connections break and
+        nothing connects to it again."""
+        self.world.kill(name)
 
 
 def crash(f: Fleet) -> None:
@@ -93,6 +101,78 @@ def crash(f: Fleet) -> None:
     for cuts in f.cuts.values():
         for cut in cuts:
             cut.set()
+
+
+class World:
+    """In-process hosts, each living in a scope of its own (its "process"), reached by URL, and
+    a launcher (:class:`~trio_gym.trainer.hosts.Launcher`) that replaces a dead one."""
+
+    def __init__(
+        self, nursery: trio.Nursery, runners: Mapping[str, Runner], replacement: Runner | None
+    ) -> None:
+        self.nursery, self.runner_of, self.replacement = nursery, runners, replacement
+        self.hosts: dict[str, Host] = {}
+        self.runners: dict[str, CountingRunner] = {}
+        self.cuts: dict[str, list[trio.Event]] = {}
+        self.mutes: dict[str, list[bool]] = {}
+        self.opened: dict[str, list[float]] = {}
+        self.lives: dict[str, trio.Nursery] = {}
+        self.dead: set[str] = set()
+        self.replaced: list[tuple[str, str]] = []
+
+    async def start(self, name: str, runner: Runner) -> None:
+        counting = self.runners[name] = CountingRunner(runner)
+        config = ServeConfig(port=0, control_token=TOKEN, rollout_deadline_s=10**6)
+        host = self.hosts[name] = Host(config, runner=counting, wall_time=wall)
+        self.cuts[name], self.mutes[name], self.opened[name] = [], [], []
+        self.lives[name] = await self.nursery.start(self._live, host)
+
+    async def _live(self, host: Host, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as life:
+            life.start_soon(host.checkpoints.watch_lease)
+            task_status.started(life)
+            await trio.sleep_forever()
+
+    def kill(self, name: str) -> None:
+        self.dead.add(name)
+        self.lives[name].cancel_scope.cancel()
+        for cut in self.cuts[name]:
+            cut.set()
+
+    def opener(self, name: str | None = None, *, recorded: bool = True) -> Any:
+        """Connections to host ``name`` (or to whichever host the URL names)."""
+
+        async def open_stream(endpoint: Any) -> trio.abc.Stream:
+            target = name or endpoint.host.removesuffix(".invalid")
+            await trio.lowlevel.checkpoint()
+            if target in self.dead:
+                raise ConnectionRefusedError(111, "Connection refused")
+            trainer_end, host_end = socket_like_pair()
+            self.lives[target].start_soon(handle_connection, self.hosts[target], host_end)
+            cut = trio.Event()
+            muted = False
+            if recorded:
+                self.opened[target].append(trio.current_time())
+                self.cuts[target].append(cut)
+                muted = self.mutes[target].pop(0) if self.mutes[target] else False
+            return CuttableStream(trainer_end, cut, muted=muted)
+
+        return open_stream
+
+    async def alive(self, handle: HostHandle) -> bool:
+        return handle.name not in self.dead
+
+    async def replace(self, handle: HostHandle) -> HostHandle:
+        if handle.name not in self.dead:
+            self.kill(handle.name)
+        new = f"{handle.name}-r{len(self.replaced) + 1}"
+        await self.start(new, self.replacement or ExampleRunner())
+        self.replaced.append((handle.name, new))
+        return HostHandle(new, url_of(new), control_token=TOKEN)
+
+
+def url_of(name: str) -> str:
+    return f"http://{name}.invalid:8080"
 
 
 @asynccontextmanager
@@ -104,65 +184,61 @@ async def fleet(
     checkpoint: CheckpointSettings | None = None,
     on_result: Callable[[SealedResult], None] | None = None,
     runners: Mapping[str, Runner] | None = None,
+    controls: Mapping[str, Callable[..., HostControl]] | None = None,
+    replaceable: bool = False,
+    scheduler: SchedulerSettings | None = None,
 ) -> AsyncIterator[Fleet]:
-    """Hosts ``names`` (each the example environment unless ``runners`` names another)."""
+    """Hosts ``names`` (each the example environment unless ``runners`` names another; each
+    control client a :class:`HostControl` unless ``controls`` names another class); with
+    ``replaceable``, a lost host is replaced by a new one (``<name>-r<n>``)."""
     consumed: list[SealedResult] = []
     deadlines = DeadlineRegistry()
+    settings = client or ClientSettings(request_deadline_s=10**7)
     async with trio.open_nursery() as nursery:
-        hosts: dict[str, Host] = {}
-        counting: dict[str, CountingRunner] = {}
-        handles = []
-        cuts: dict[str, list[trio.Event]] = {}
-        mutes: dict[str, list[bool]] = {}
-        opened: dict[str, list[float]] = {}
-        for name in names:
-            runner = counting[name] = CountingRunner((runners or {}).get(name, ExampleRunner()))
-            config = ServeConfig(port=0, control_token=TOKEN, rollout_deadline_s=10**6)
-            host = hosts[name] = Host(config, runner=runner, wall_time=wall)
-            nursery.start_soon(host.checkpoints.watch_lease)
-            cuts[name], mutes[name], opened[name] = [], [], []
-            opener = _opener(nursery, host, cuts[name], mutes[name], opened[name])
-            url = f"http://{name}.invalid:8080"
-            settings = client or ClientSettings(request_deadline_s=10**7)
-            handles.append(
-                RemoteHost(
-                    name,
-                    RolloutClient(url, settings, opener=opener, deadlines=deadlines),
-                    HostControl(
-                        url, TOKEN, opener=_opener(nursery, host, [], [], []), wall_time=wall
-                    ),
-                )
+        world = World(nursery, runners or {}, None)
+
+        def connect(handle: HostHandle) -> RemoteHost:
+            url, name = handle.url, handle.name
+            return RemoteHost(
+                handle,
+                HostClient(url, settings, opener=world.opener(name), deadlines=deadlines),
+                (controls or {}).get(name, HostControl)(
+                    url, TOKEN, opener=world.opener(name, recorded=False), wall_time=wall
+                ),
             )
+
+        handles = []
+        for name in names:
+            await world.start(name, (runners or {}).get(name, ExampleRunner()))
+            handles.append(connect(HostHandle(name, url_of(name), control_token=TOKEN)))
         dispatcher = Dispatcher(
-            handles, on_result or consumed.append, settings=dispatch, deadlines=deadlines
+            handles,
+            on_result or consumed.append,
+            settings=dispatch,
+            deadlines=deadlines,
+            scheduler=scheduler,
+            launcher=world if replaceable else None,
+            connect=connect,
         )
         coordinator = CheckpointCoordinator(
             dispatcher,
             settings=checkpoint,
             trainer_state=lambda: {"consumed": [attrs.asdict(r) for r in consumed]},
         )
-        yield Fleet(
-            hosts, counting, dispatcher, coordinator, consumed, nursery, cuts, mutes, opened
-        )
+        async with dispatcher:
+            yield Fleet(
+                world.hosts,
+                world.runners,
+                dispatcher,
+                coordinator,
+                consumed,
+                nursery,
+                world.cuts,
+                world.mutes,
+                world.opened,
+                world,
+            )
         nursery.cancel_scope.cancel()
-
-
-def _opener(
-    nursery: trio.Nursery,
-    host: Host,
-    cuts: list[trio.Event],
-    mutes: list[bool],
-    opened: list[float],
-) -> Any:
-    async def open_stream(endpoint: Any) -> trio.abc.Stream:
-        opened.append(trio.current_time())
-        trainer_end, host_end = socket_like_pair()
-        nursery.start_soon(handle_connection, host, host_end)
-        cut = trio.Event()
-        cuts.append(cut)
-        return CuttableStream(trainer_end, cut, muted=mutes.pop(0) if mutes else False)
-
-    return open_stream
 
 
 def calendar(seed: int, *, think_s: float = 5.0, meetings: int = 3) -> dict[str, Any]:

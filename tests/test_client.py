@@ -28,7 +28,7 @@ from tests.helpers import URL, CountingRunner, in_memory, running_host
 from tests.processes import serve_process
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
-from trio_gym.trainer import ClientSettings, Origin, RolloutClient, RolloutError
+from trio_gym.trainer import ClientSettings, HostClient, Origin, RolloutClient, RolloutError
 from trio_gym.trainer.errors import Reach
 
 HANG_GUARD_S = 60
@@ -225,36 +225,55 @@ HOST_BUSY = json_response(503, b'{"error": {"code": "host_busy", "message": "at 
 async def test_each_answer_is_named_and_taken_or_not_by_one_rule(
     raw: bytes, health: bytes | None, origin: Origin, reach: Reach, fragment: str
 ) -> None:
-    """The rule ``run``, ``stream`` and the pool share: each answer shape's origin and reach;
-    unreached chunks are sent again, a cut answer is named by asking ``/health``."""
+    """The rule every scheduler follows, decided where one send's error is built: each answer
+    shape's origin and reach; a cut answer is named by asking ``/health``."""
     cut = health is not None or raw in (HEARTBEATS_ONLY, DIED)
     probe: list[Behaviour | None] = []
     if cut:
         probe = [None if health is CannedHost.REFUSE else respond(health or b"")]
     async with trio.open_nursery() as nursery:
         canned = CannedHost(nursery, [respond(raw), *probe])
-        client = RolloutClient(URL, ClientSettings(backoff_s=0), opener=canned.open)
+        client = HostClient(URL, opener=canned.open)
         with pytest.raises(RolloutError) as failure:
-            await client.run([{"seed": 1}])
+            await client.post([{"seed": 1}])
     error = failure.value
     assert (error.origin, error.reach) == (origin, reach)
     assert fragment in error.message
-    posts = [body for body in canned.requests if body]
-    # Only the unreached are re-sent, and by this client only when no host said "not now".
-    assert len(posts) == (3 if reach is Reach.UNREACHED and origin is not Origin.SANDBOX else 1)
-    assert f"after {len(posts)} attempt(s)" in error.message
+    assert len([body for body in canned.requests if body]) == 1
     assert error.suspect == (cut or reach is Reach.UNREACHED or raw is OPENSANDBOX_RESPONSE_FAILED)
+
+
+@pytest.mark.parametrize(
+    ("raw", "sends"),
+    [(HOST_NOT_READY, 3), (HTML_502, 3), (NESTED_500, 1), (FLAT_PROXY, 1)],
+    ids=["host-not-now", "html-502", "host-refusal", "taken"],
+)
+async def test_run_sends_again_only_what_was_not_taken_once_the_host_is_ready(
+    raw: bytes, sends: int
+) -> None:
+    """``run`` is a pool of one host: an unreached chunk goes again (``max_attempts`` sends in
+    all) after a probe of ``/health`` says ready; a refused or taken one never."""
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [respond(raw), respond(HEALTH_READY)] * 3)
+        client = RolloutClient(URL, ClientSettings(backoff_s=0), opener=canned.open)
+        with pytest.raises(RolloutError) as failure:
+            await client.run([{"seed": 1}])
+    assert len([body for body in canned.requests if body]) == sends
+    if sends > 1:
+        assert f"not taken by any host in {sends} sends" in failure.value.message
+    else:
+        assert "chunk 1 failed on host sandbox.invalid:8080" in failure.value.message
 
 
 async def test_no_response_headers_is_proxy_and_retried() -> None:
     async with trio.open_nursery() as nursery:
-        canned = CannedHost(nursery, [hang_up])
+        canned = CannedHost(nursery, [hang_up, respond(HEALTH_READY)] * 4)
         client = RolloutClient(URL, ClientSettings(backoff_s=0, max_attempts=4), opener=canned.open)
         with pytest.raises(RolloutError) as failure:
             await client.run([{"seed": 1}])
     assert failure.value.origin is Origin.PROXY
     assert "without answering" in failure.value.message
-    assert len(canned.requests) == 4
+    assert len([body for body in canned.requests if body]) == 4
 
 
 async def test_a_body_that_dies_after_the_headers_is_sent_exactly_once() -> None:
@@ -274,30 +293,30 @@ async def test_a_connection_that_never_landed_is_retried_with_backoff(
 ) -> None:
     good = json_response(200, b'{"results": [{"ok": true}]}')
     async with trio.open_nursery() as nursery:
-        canned = CannedHost(nursery, [CannedHost.REFUSE, CannedHost.REFUSE, respond(good)])
+        behaviours = [CannedHost.REFUSE, CannedHost.REFUSE, respond(HEALTH_READY), respond(good)]
+        canned = CannedHost(nursery, behaviours)
         client = RolloutClient(URL, ClientSettings(backoff_s=2), opener=canned.open)
         start = trio.current_time()
         results = await client.run([{"seed": 1}])
     assert results == [{"ok": True}]
-    assert [at - start for at in canned.opened_at] == [0, 2, 6]  # waits of 1x and 2x backoff
-    assert len(canned.requests) == 1  # the two that never landed sent nothing
+    # The send, a probe that did not land, the next probe backoff_s later, the send again.
+    assert [at - start for at in canned.opened_at] == [0, 0, 2, 2]
+    assert [body for body in canned.requests if body] == canned.requests[-1:]
 
 
-async def test_backoff_is_slept_outside_the_concurrency_limit(
+async def test_a_failed_host_is_probed_before_more_and_the_resend_goes_first(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     good = json_response(200, b'{"results": [{"ok": true}]}')
     progress = RecordingProgress()
     async with trio.open_nursery() as nursery:
-        canned = CannedHost(nursery, [CannedHost.REFUSE, respond(good)])
+        canned = CannedHost(nursery, [CannedHost.REFUSE, respond(HEALTH_READY), respond(good)])
         settings = ClientSettings(chunk_size=1, max_in_flight=1, backoff_s=10)
         client = RolloutClient(URL, settings, progress=progress, opener=canned.open)
         await client.run([{"seed": 1}, {"seed": 2}])
-    # The first chunk's refusal frees the only slot while it waits out its backoff, so the
-    # second chunk goes at once instead of 10 s later.
-    (first, _, t0), (second, _, t1), (retried, attempt, t2) = progress.started
-    assert {first, second} == {0, 1} and retried == first and attempt == 2
-    assert (t1 - t0, t2 - t0) == (0, 10)
+    # Nothing more goes to the host until a probe says ready; then the chunk that waited
+    # longest goes first.
+    assert [(chunk, attempt) for chunk, attempt, _ in progress.started] == [(0, 1), (0, 2), (1, 1)]
 
 
 async def test_a_request_over_the_hosts_limit_is_a_client_failure_never_sent() -> None:
@@ -433,33 +452,37 @@ async def test_a_413_decided_while_the_client_still_uploads_is_read_as_a_client_
             await client.run([{"seed": 1, "_pad": "x" * (40 * 1024 * 1024)}])
     assert failure.value.origin is Origin.CLIENT and failure.value.reach is not Reach.UNREACHED
     assert failure.value.status == 413
-    assert "after 1 attempt(s)" in failure.value.message
+    assert "chunk 1 failed on host" in failure.value.message
 
 
 async def test_a_client_deadline_before_any_head_is_retried(autojump_clock: trio.abc.Clock) -> None:
     async with trio.open_nursery() as nursery:
-        canned = CannedHost(nursery, [stall])
+        canned = CannedHost(nursery, [stall, respond(HEALTH_READY)] * 3)
         settings = ClientSettings(request_deadline_s=10, backoff_s=0)
         client = RolloutClient(URL, settings, opener=canned.open)
         with pytest.raises(RolloutError) as failure:
             await client.run([{"seed": 1}])
         nursery.cancel_scope.cancel()
     assert failure.value.origin is Origin.PROXY and "no response headers" in failure.value.message
-    assert canned.connections == 3
+    assert len([body for body in canned.requests if body]) == 3
 
 
 @pytest.mark.parametrize(
-    ("behaviour", "sent"), [(hang_up, 1), (CannedHost.REFUSE, 3)], ids=["hang-up", "refused"]
+    ("behaviour", "reach"),
+    [(hang_up, Reach.TAKEN), (CannedHost.REFUSE, Reach.UNREACHED)],
+    ids=["hang-up", "refused"],
 )
-async def test_over_http_10_only_a_connection_that_never_opened_is_retried(
-    behaviour: Any, sent: int
+async def test_over_http_10_only_a_connection_that_never_opened_is_unreached(
+    behaviour: Any, reach: Reach
 ) -> None:
     async with trio.open_nursery() as nursery:
-        canned = CannedHost(nursery, [behaviour])
+        canned = CannedHost(nursery, [behaviour, respond(HEALTH_READY)] * 3)
         settings = ClientSettings(http_version="1.0", backoff_s=0)
-        with pytest.raises(RolloutError):
+        with pytest.raises(RolloutError) as failure:
             await RolloutClient(URL, settings, opener=canned.open).run([{"seed": 1}])
-    assert canned.connections == sent  # a 1.0 host may have run a batch it never answered
+    assert failure.value.reach is reach  # a 1.0 host may have run a batch it never answered
+    posts = len([body for body in canned.requests if body])
+    assert posts == (1 if reach is Reach.TAKEN else 0)
 
 
 async def test_a_response_over_the_clients_limit_is_a_client_failure() -> None:
@@ -548,13 +571,13 @@ async def test_a_host_that_never_answers_its_head_is_given_up_on_at_the_head_tim
     """A stalled host (SIGSTOP, a wedged proxy) holds no chunk to the request deadline: once
     the request is sent, its head has head_timeout_s; no head over HTTP/1.1 is unreached."""
     async with trio.open_nursery() as nursery:
-        canned = CannedHost(nursery, [stall])
+        canned = CannedHost(nursery, [stall, respond(HEALTH_READY)] * 2)
         settings = ClientSettings(head_timeout_s=10, max_attempts=2, backoff_s=0)
         client = RolloutClient(URL, settings, opener=canned.open)
         start = trio.current_time()
         with pytest.raises(RolloutError) as failure:
             await client.run([{"seed": 1}])
-        assert trio.current_time() - start == 20  # two tries, 10 s each
+        assert trio.current_time() - start == 20  # two sends, 10 s each (a ready probe between)
         nursery.cancel_scope.cancel()
     assert (failure.value.origin, failure.value.reach) == (Origin.PROXY, Reach.UNREACHED)
     assert "within 10 s of the request's end (head_timeout_s)" in failure.value.message
@@ -616,6 +639,7 @@ async def test_a_connection_that_never_opens_is_given_up_on_at_the_connect_timeo
     start = trio.current_time()
     with pytest.raises(RolloutError) as failure:
         await RolloutClient(URL, settings, opener=never_connects).run([{"seed": 1}])
-    assert trio.current_time() - start == 3 * 5 + 1 + 2  # three tries and two backoffs
+    # The send, a probe, backoff_s, a probe (each connect_timeout_s), and the host is out.
+    assert trio.current_time() - start == 5 + 5 + 1 + 5
     assert (failure.value.origin, failure.value.reach) == (Origin.PROXY, Reach.UNREACHED)
     assert "could not connect to sandbox.invalid:8080 within 5 s" in failure.value.message

@@ -9,11 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 import trio
 
-from tests.fleet import TOKEN, Fleet, calendar, fleet, wall
+from tests.fleet import Fleet, calendar, fleet
 from trio_gym.protocol.control import CheckpointPhase
 from trio_gym.trainer.control import HostControl, ReplyMismatch
 from trio_gym.trainer.coordinator import CheckpointAborted, RestoreFailed
@@ -24,11 +23,10 @@ Change = Callable[[dict[str, Any]], None]
 
 class Tampered(HostControl):
     """A host whose replies to ``operation`` are changed by ``change`` before the trainer
-    reads them."""
+    reads them (once :func:`tamper` says so)."""
 
-    def __init__(self, *args: Any, operation: str, change: Change, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.operation, self.change = operation, change
+    operation = ""
+    change: Change = staticmethod(lambda reply: None)
 
     async def _call(
         self, method: str, name: str, body: dict[str, Any] | None, timeout_s: float
@@ -39,17 +37,13 @@ class Tampered(HostControl):
         return reply
 
 
+TAMPERABLE = {"a": Tampered, "b": Tampered}
+
+
 def tamper(f: Fleet, host: str, operation: str, change: Change) -> None:
-    remote = f.dispatcher.hosts[host]
-    control = Tampered(
-        f"http://{host}.invalid:8080",
-        TOKEN,
-        opener=remote.control._opener,
-        wall_time=wall,
-        operation=operation,
-        change=change,
-    )
-    f.dispatcher.hosts[host] = attrs.evolve(remote, control=control)
+    control = f.dispatcher.hosts[host].control
+    assert isinstance(control, Tampered)
+    control.operation, control.change = operation, change
 
 
 def idle(f: Fleet) -> bool:
@@ -59,7 +53,7 @@ def idle(f: Fleet) -> bool:
 async def test_a_prepare_reply_that_does_not_fit_aborts_the_checkpoint(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
-    async with fleet() as f:
+    async with fleet(controls=TAMPERABLE) as f:
         tamper(f, "b", "prepare", lambda reply: reply.pop("blockers"))
         with pytest.raises(
             CheckpointAborted,
@@ -87,7 +81,7 @@ def in_a_checkpoint_naming_none(reply: dict[str, Any]) -> None:
 async def test_a_status_reply_that_does_not_fit_aborts_a_take_over(
     autojump_clock: trio.abc.Clock, change: Change, message: str
 ) -> None:
-    async with fleet() as f:
+    async with fleet(controls=TAMPERABLE) as f:
         tamper(f, "a", "status", change)
         with pytest.raises(CheckpointAborted, match=message):
             await f.coordinator.take_over()
@@ -96,7 +90,7 @@ async def test_a_status_reply_that_does_not_fit_aborts_a_take_over(
 async def test_a_restore_reply_that_does_not_fit_is_undone_on_every_host(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
-    async with fleet() as f, trio.open_nursery() as nursery:
+    async with fleet(controls=TAMPERABLE) as f, trio.open_nursery() as nursery:
         nursery.start_soon(f.dispatcher.run_group, "g", [calendar(1), calendar(2)])  # a, b
         await trio.sleep(3)
         manifest = await f.coordinator.checkpoint(tmp_path / "c1")
@@ -107,7 +101,7 @@ async def test_a_restore_reply_that_does_not_fit_is_undone_on_every_host(
         for entry in reply["restored"]:
             del entry["capture_key"]
 
-    async with fleet() as f:
+    async with fleet(controls=TAMPERABLE) as f:
         tamper(f, "b", "restore", unnamed)
         with pytest.raises(
             RestoreFailed,
@@ -121,7 +115,7 @@ async def test_a_restore_reply_that_does_not_fit_is_undone_on_every_host(
 async def test_a_retire_reply_that_does_not_fit_keeps_the_attempts_queued(
     autojump_clock: trio.abc.Clock,
 ) -> None:
-    async with fleet(("a",)) as f:
+    async with fleet(("a",), controls=TAMPERABLE) as f:
         tamper(f, "a", "retire", lambda reply: reply.pop("still_stopping"))
         f.dispatcher.to_retire["a"].add(("g.0@lost", 0))
         with pytest.raises(

@@ -14,7 +14,7 @@ import attrs
 import pytest
 import trio
 
-from tests.fleet import TOKEN, calendar, crash, fleet, uninterrupted, wall
+from tests.fleet import calendar, crash, fleet, uninterrupted
 from tests.helpers import ScriptedRunner
 from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.control import ControlTimeout, HostControl
@@ -236,12 +236,7 @@ async def test_a_failed_restore_on_one_host_is_undone_on_every_host(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     await checkpoint_mid_flight(tmp_path)
-    async with fleet() as f:
-        b = f.dispatcher.hosts["b"]
-        dying = DiesDuringRestore(
-            "http://b.invalid:8080", TOKEN, opener=b.control._opener, wall_time=wall
-        )
-        f.dispatcher.hosts["b"] = attrs.evolve(b, control=dying)
+    async with fleet(controls={"b": DiesDuringRestore}) as f:
         with pytest.raises(RestoreFailed, match="b: restore: no reply") as failed:
             await f.coordinator.restore(tmp_path / "c1")
         statuses = {name: h.checkpoints.status() for name, h in f.hosts.items()}
@@ -368,12 +363,10 @@ class TamperedCommit(HostControl):
 async def test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint(
     autojump_clock: trio.abc.Clock, tmp_path: Path, tamper: str, message: str
 ) -> None:
-    async with fleet() as f, trio.open_nursery() as nursery:
-        b = f.dispatcher.hosts["b"]
-        tampered = TamperedCommit(
-            "http://b.invalid:8080", TOKEN, opener=b.control._opener, wall_time=wall, tamper=tamper
-        )
-        f.dispatcher.hosts["b"] = attrs.evolve(b, control=tampered)
+    controls = {"b": partial(TamperedCommit, tamper=tamper)}
+    async with fleet(controls=controls) as f, trio.open_nursery() as nursery:
+        tampered = f.dispatcher.hosts["b"].control
+        assert isinstance(tampered, TamperedCommit)
         nursery.start_soon(run_all, f, {"long": GROUPS["long"]})
         await trio.sleep(7)
         tampered.other_host_key = next(
@@ -409,15 +402,16 @@ async def test_a_trainer_after_a_crash_never_reuses_the_ids_of_work_a_host_still
             dispatcher = Dispatcher(list(f.dispatcher.hosts.values()), consumed.append)
             restored = await CheckpointCoordinator(dispatcher).restore(tmp_path / "c1")
             groups = {**{g: GROUPS[g] for g in restored.groups}, **late}
-            if finish:
-                with trio.fail_after(10_000):
-                    await run_all(_As(dispatcher), groups)
-                break
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(run_all, _As(dispatcher), groups)
-                await trio.sleep(1)
-                crash(f)
-                nursery.cancel_scope.cancel()
+            async with dispatcher:
+                if finish:
+                    with trio.fail_after(10_000):
+                        await run_all(_As(dispatcher), groups)
+                    break
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(run_all, _As(dispatcher), groups)
+                    await trio.sleep(1)
+                    crash(f)
+                    nursery.cancel_scope.cancel()
             consumed.clear()
         outcomes = consumed
     (late_attempt,) = dispatcher.ledger.groups["late"].siblings[0].attempts

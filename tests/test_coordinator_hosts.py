@@ -12,7 +12,7 @@ import trio
 
 from tests.fleet import calendar, uninterrupted
 from tests.live import TOKEN, LiveHost, live_hosts
-from trio_gym.trainer import ClientSettings, RolloutClient
+from trio_gym.trainer import ClientSettings, HostClient
 from trio_gym.trainer.control import HostControl
 from trio_gym.trainer.coordinator import (
     CheckpointCoordinator,
@@ -21,7 +21,9 @@ from trio_gym.trainer.coordinator import (
     RestoreRefused,
 )
 from trio_gym.trainer.deadlines import DeadlineRegistry
-from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, RemoteHost, SealedResult
+from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, SealedResult
+from trio_gym.trainer.hosts import HostHandle
+from trio_gym.trainer.scheduler import RemoteHost
 
 GRACE_S = 0.5
 SCRIPTED = "tests.helpers:ScriptedRunner"
@@ -37,8 +39,8 @@ def trainer(
     deadlines = DeadlineRegistry()
     handles = [
         RemoteHost(
-            name,
-            RolloutClient(host.url, ClientSettings(request_deadline_s=120), deadlines=deadlines),
+            HostHandle(name, host.url, control_token=TOKEN),
+            HostClient(host.url, ClientSettings(request_deadline_s=120), deadlines=deadlines),
             HostControl(host.url, TOKEN, reply_grace_s=GRACE_S),
         )
         for name, host in hosts.items()
@@ -59,7 +61,7 @@ GROUPS = {
 async def run_groups(
     coordinator: CheckpointCoordinator, groups: dict[str, list[dict[str, Any]]]
 ) -> None:
-    async with trio.open_nursery() as nursery:
+    async with coordinator.dispatcher, trio.open_nursery() as nursery:
         for group_id, examples in groups.items():
             nursery.start_soon(coordinator.dispatcher.run_group, group_id, examples)
 

@@ -199,7 +199,8 @@ async def test_a_fresh_trainer_after_a_crash_mints_ids_of_its_own(
         await die_while_running(f, group)
         consumed: list[SealedResult] = []
         fresh = Dispatcher(list(f.dispatcher.hosts.values()), consumed.append)
-        await fresh.run_group("g", group)
+        async with fresh:
+            await fresh.run_group("g", group)
     assert [sealed.error for sealed in consumed] == [None]
     assert consumed[0].rollout_id != f.dispatcher.ledger.groups["g"].siblings[0].current.rollout_id
     assert states(fresh.ledger, "g")[0][0][2] == "sealed"  # first time: no collision, no loss
@@ -214,7 +215,8 @@ async def test_an_identity_a_host_still_runs_is_a_loss_not_a_result(
         consumed: list[SealedResult] = []
         same = Ledger(incarnation=f.dispatcher.ledger.incarnation)  # as a checkpoint had it
         again = Dispatcher(list(f.dispatcher.hosts.values()), consumed.append, ledger=same)
-        await again.run_group("g", group)
+        async with again:
+            await again.run_group("g", group)
         status = f.hosts["a"].checkpoints.status()
     token = same.incarnation
     assert [sealed.error for sealed in consumed] == [None]
@@ -235,9 +237,11 @@ async def test_a_request_whose_answer_never_came_is_not_resent_under_the_same_id
     assert states(f.dispatcher.ledger, "g") == [
         [(f"g.0@{token}", 0, "abandoned"), (f"g.0@{token}.g1", 0, "sealed")]
     ]
-    assert len(f.cuts["a"]) == 2  # the host took the first request; it was never re-sent
-    first, second = f.opened["a"]
-    assert second - first == 30 + DispatchSettings().resend_backoff_s  # deadline, then a pause
+    # The request, the probe of /health its failure asked for, the fresh attempt: the first
+    # request was never re-sent under its id.
+    assert len(f.cuts["a"]) == 3
+    first, _, fresh = f.opened["a"]
+    assert fresh - first == 30 + DispatchSettings().resend_backoff_s  # deadline, then a pause
 
 
 class StubbornRunner(ExampleRunner):
@@ -261,7 +265,7 @@ async def test_a_retire_whose_copies_are_still_stopping_stays_queued(
         consumed.append(sealed)
         f.cuts["a"][0].set()
 
-    settings = DispatchSettings(retire_timeout_s=5)
+    settings = DispatchSettings(control_timeout_s=5)
     examples = [calendar(1, think_s=1.0), calendar(2, think_s=50.0)]
     async with fleet(
         ("a",),
@@ -286,7 +290,7 @@ async def test_a_stale_row_is_settled_at_once_so_a_checkpoint_does_not_wait_for_
         same = Ledger(incarnation=f.dispatcher.ledger.incarnation)
         again = Dispatcher(list(f.dispatcher.hosts.values()), lambda sealed: None, ledger=same)
         coordinator = CheckpointCoordinator(again, settings=CheckpointSettings(drain_timeout_s=30))
-        async with trio.open_nursery() as nursery:
+        async with again, trio.open_nursery() as nursery:
             # g.0 is refused stale_attempt; g.1 runs on in the same stream, parked by the
             # checkpoint, so that stream cannot end before the checkpoint does.
             group = [calendar(1, think_s=100), calendar(2, think_s=10)]

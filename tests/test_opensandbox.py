@@ -19,7 +19,7 @@ import trio
 from tests.processes import HANG_GUARD_S, kill_all, processes_with
 from trio_gym.fleet import HostSpec, LaunchFailed
 from trio_gym.http import Endpoint, HttpLimits, exchange
-from trio_gym.trainer.client import ClientSettings
+from trio_gym.trainer.host_client import ClientSettings
 from trio_gym.trainer.pool import HostPool
 
 pytest.importorskip(

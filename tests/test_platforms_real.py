@@ -22,10 +22,11 @@ import trio
 from trio_gym.fleet import DockerProvider, HostSpec, LaunchFailed
 from trio_gym.fleet.docker import LAUNCH_LABEL, OWNER_LABEL
 from trio_gym.trainer import RolloutClient, RolloutError
-from trio_gym.trainer.client import ClientSettings
 from trio_gym.trainer.errors import Origin, Reach
+from trio_gym.trainer.host_client import ClientSettings
 from trio_gym.trainer.hosts import HostHandle
-from trio_gym.trainer.pool import HostPool, PoolSettings
+from trio_gym.trainer.pool import HostPool
+from trio_gym.trainer.scheduler import SchedulerSettings
 
 pytestmark = pytest.mark.platform
 
@@ -107,7 +108,7 @@ def pool_over(handles: list[HostHandle], provider: Any) -> HostPool:
     # Many failures allowed: the provider saying the container is gone is what ejects.
     return HostPool(
         handles,
-        PoolSettings(per_host_in_flight=2, probe_interval_s=0.5, max_host_failures=50),
+        SchedulerSettings(per_host_in_flight=2, probe_interval_s=0.5, max_host_failures=50),
         client_settings=ClientSettings(chunk_size=2),
         launcher=provider,
     )

@@ -20,8 +20,9 @@ import trio
 
 from tests.processes import kill_all, processes_with
 from trio_gym.fleet import HostSpec
-from trio_gym.trainer.client import ClientSettings
-from trio_gym.trainer.pool import HostPool, PoolSettings
+from trio_gym.trainer.host_client import ClientSettings
+from trio_gym.trainer.pool import HostPool
+from trio_gym.trainer.scheduler import SchedulerSettings
 
 ray = pytest.importorskip("ray", reason="Ray: pip install 'trio-gym[ray]' (.ci/run installs it)")
 
@@ -190,7 +191,7 @@ async def test_the_ray_provider_places_hosts_on_the_cluster_and_stops_them(
             address = node["NodeManagerAddress"]
             assert all(handle.url.startswith(f"http://{address}:") for handle in handles)
             assert len(await trio.to_thread.run_sync(host_processes, cluster)) == 4
-            settings = PoolSettings(per_host_in_flight=1)
+            settings = SchedulerSettings(per_host_in_flight=1)
             chunks = ClientSettings(chunk_size=1)
             async with HostPool(
                 handles, settings, client_settings=chunks, launcher=provider

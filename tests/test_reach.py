@@ -20,12 +20,13 @@ from trio_gym.host import Host
 from trio_gym.http import Endpoint, HttpLimits, exchange
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER, identity_digest
 from trio_gym.trainer import RolloutClient, RolloutError
-from trio_gym.trainer.client import ClientSettings
 from trio_gym.trainer.control import ControlError
 from trio_gym.trainer.dispatch import RemoteHost
 from trio_gym.trainer.errors import Origin, Reach
+from trio_gym.trainer.host_client import ClientSettings
 from trio_gym.trainer.hosts import HealthStatus, HostHandle, probe
-from trio_gym.trainer.pool import HostPool, PoolSettings
+from trio_gym.trainer.pool import HostPool
+from trio_gym.trainer.scheduler import SchedulerSettings
 
 GATEWAY_GONE = json_response(
     502,
@@ -50,7 +51,7 @@ def pool_over(handles: list[HostHandle], opener: Any, **settings: Any) -> HostPo
     """A pool of chunks of one, probing every second, no backoff: the tests' clock is virtual."""
     return HostPool(
         handles,
-        PoolSettings(probe_interval_s=1, **settings),
+        SchedulerSettings(probe_interval_s=1, **settings),
         client_settings=ClientSettings(chunk_size=1, backoff_s=0),
         opener=opener,
     )
@@ -229,10 +230,10 @@ async def test_a_dispatchers_host_carries_its_identity_on_rollouts_and_control_c
             HostHandle("a", A, control_token="t0ken", identity="theirs"), opener=opener
         )
         assert (await ours.control.status(timeout_s=5)) is not None
-        assert len(await ours.client.run(examples(1))) == 1
+        assert len(await ours.client.post(examples(1))) == 1
         with pytest.raises(ControlError) as refused:
             await stranger.control.status(timeout_s=5)
         assert (refused.value.status, refused.value.code) == (421, "wrong_host")
         with pytest.raises(RolloutError) as failure:
-            await stranger.client.run(examples(1))
+            await stranger.client.post(examples(1))
         assert failure.value.code == "wrong_host"

@@ -261,7 +261,7 @@ async def test_a_host_that_never_answers_is_given_up_on_at_the_flags_timeouts(
         port = silent.getsockname()[1]
         stalled = await trio_gym_run(
             str(examples), "--url", f"http://127.0.0.1:{port}", "--max-attempts", "1",
-            "--head-timeout", "0.5", "--request-deadline", "30",
+            "--head-timeout", "0.5", "--request-deadline", "30", "--out", str(tmp_path / "a.jsonl"),
         )  # fmt: skip
         nursery.cancel_scope.cancel()
     for connection in held:
@@ -271,6 +271,7 @@ async def test_a_host_that_never_answers_is_given_up_on_at_the_flags_timeouts(
         quiet = await trio_gym_run(
             str(write_examples(tmp_path / "long.jsonl", [{"seed": 1, "think_s": 30}])),
             "--url", f"http://127.0.0.1:{port}", "--idle-timeout", "0.5",
+            "--out", str(tmp_path / "b.jsonl"),
         )  # fmt: skip
     assert stalled.returncode == 1 and b"failed (proxy)" in stalled.stderr
     assert b"within 0.5 s of the request's end (head_timeout_s)" in stalled.stderr

@@ -21,12 +21,14 @@ from typing import Any
 import trio
 
 import trio_gym.trainer.coordinator as coordinator_module
-from trio_gym.trainer.client import ClientSettings, RolloutClient
 from trio_gym.trainer.control import HostControl
 from trio_gym.trainer.coordinator import CheckpointCoordinator, CheckpointSettings
 from trio_gym.trainer.deadlines import DeadlineRegistry
-from trio_gym.trainer.dispatch import Dispatcher, RemoteHost, SealedResult
+from trio_gym.trainer.dispatch import Dispatcher, SealedResult
+from trio_gym.trainer.host_client import ClientSettings, HostClient
+from trio_gym.trainer.hosts import HostHandle
 from trio_gym.trainer.manifest import MANIFEST_NAME, load_manifest
+from trio_gym.trainer.scheduler import RemoteHost
 
 KILL_POINTS = ("before_prepare", "mid_commit", "mid_drain", "after_manifest")
 
@@ -113,8 +115,8 @@ async def main(config: dict[str, Any]) -> None:
     deadlines = DeadlineRegistry()
     hosts = [
         RemoteHost(
-            name,
-            RolloutClient(url, ClientSettings(request_deadline_s=60), deadlines=deadlines),
+            HostHandle(name, url, control_token=config["token"]),
+            HostClient(url, ClientSettings(request_deadline_s=60), deadlines=deadlines),
             ArmedControl(url, config["token"], armed),
         )
         for name, url in sorted(config["hosts"].items())
@@ -142,34 +144,35 @@ async def main(config: dict[str, Any]) -> None:
         settings=CheckpointSettings(control_timeout_s=10, lease_s=30),
         trainer_state=lambda: {**state, "consumed": list(consumed)},
     )
-    source = newest_checkpoint(root)
-    if source is None:
-        await coordinator.take_over()
-        emit("started")
-    else:
-        restored = await coordinator.restore(source)
-        state = {"step": restored.trainer_state["step"], "n": restored.trainer_state["n"]}
-        consumed.extend(restored.trainer_state["consumed"])
-        emit("restored", source=source.name, restored=restored.restored)
-    siblings, think_s = config["siblings"], config["think_s"]
-    while state["step"] < config["steps"]:
-        step = state["step"]
-        groups = [f"s{step}-g{i}" for i in range(config["groups"])]
-        late = f"s{step}-g{config['groups']}"  # submitted while the checkpoint holds the gate
-        async with trio.open_nursery() as nursery:
-            for group_id in groups:
-                examples = group_examples(group_id, siblings, think_s)
-                nursery.start_soon(dispatcher.run_group, group_id, examples)
-            await trio.sleep(config["checkpoint_after_s"])
-            nursery.start_soon(submit_late, dispatcher, late, siblings, think_s)
-            state["n"] += 1
-            armed.checkpoints += 1
-            directory = root / f"ckpt-{state['n']}-{uuid.uuid4().hex[:8]}"
-            manifest = await coordinator.checkpoint(directory)
-            exported = [key for host in manifest.hosts for key in host.episodes]
-            emit("checkpoint", n=state["n"], directory=directory.name, exported=exported)
-        state["step"] += 1
-    emit("done", consumed=consumed)
+    async with dispatcher:
+        source = newest_checkpoint(root)
+        if source is None:
+            await coordinator.take_over()
+            emit("started")
+        else:
+            restored = await coordinator.restore(source)
+            state = {"step": restored.trainer_state["step"], "n": restored.trainer_state["n"]}
+            consumed.extend(restored.trainer_state["consumed"])
+            emit("restored", source=source.name, restored=restored.restored)
+        siblings, think_s = config["siblings"], config["think_s"]
+        while state["step"] < config["steps"]:
+            step = state["step"]
+            groups = [f"s{step}-g{i}" for i in range(config["groups"])]
+            late = f"s{step}-g{config['groups']}"  # submitted while the checkpoint holds the gate
+            async with trio.open_nursery() as nursery:
+                for group_id in groups:
+                    examples = group_examples(group_id, siblings, think_s)
+                    nursery.start_soon(dispatcher.run_group, group_id, examples)
+                await trio.sleep(config["checkpoint_after_s"])
+                nursery.start_soon(submit_late, dispatcher, late, siblings, think_s)
+                state["n"] += 1
+                armed.checkpoints += 1
+                directory = root / f"ckpt-{state['n']}-{uuid.uuid4().hex[:8]}"
+                manifest = await coordinator.checkpoint(directory)
+                exported = [key for host in manifest.hosts for key in host.episodes]
+                emit("checkpoint", n=state["n"], directory=directory.name, exported=exported)
+            state["step"] += 1
+        emit("done", consumed=consumed)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from trio_gym.host import Host, ListenError, serve
 from trio_gym.install import InstallError, PackageError, install_environment, load_package
 from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.batch_file import run_file
-from trio_gym.trainer.pool import PoolSettings
+from trio_gym.trainer.scheduler import SchedulerSettings
 
 # serve's flags and the config fields they set (DESIGN §7).
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -332,7 +332,7 @@ def _run(args: argparse.Namespace) -> int:
             launch=None if args.launch is None else Launch.parse(args.launch),
             spec=_launched_host_spec(args.host_config),
             client_settings=settings,
-            pool_settings=PoolSettings(per_host_in_flight=args.max_in_flight),
+            pool_settings=SchedulerSettings(per_host_in_flight=args.max_in_flight),
         )
     except (ValueError, ConfigError) as exc:
         print(f"trio-gym run: {exc}", file=sys.stderr)

@@ -48,9 +48,10 @@ from trio_gym.fleet.launch import HostSpec, Provider
 from trio_gym.fleet.local import LocalProvider
 from trio_gym.fleet.ray_hosts import RayProvider
 from trio_gym.logs import log_event
-from trio_gym.trainer.client import ClientSettings
+from trio_gym.trainer.host_client import ClientSettings
 from trio_gym.trainer.hosts import HostHandle, Launcher
-from trio_gym.trainer.pool import ChunkAnswered, HostPool, PoolSettings
+from trio_gym.trainer.pool import ChunkAnswered, HostPool
+from trio_gym.trainer.scheduler import SchedulerSettings
 
 CANCEL_POLL_S: Final = 0.1
 """How often a waiting ``run_rollouts`` looks at Ray's cancellation flag."""
@@ -211,7 +212,7 @@ class Session:
             self._hosts() as (handles, launcher),
             HostPool(
                 handles,
-                PoolSettings(per_host_in_flight=self.config.per_host_in_flight),
+                SchedulerSettings(per_host_in_flight=self.config.per_host_in_flight),
                 client_settings=ClientSettings(
                     chunk_size=self.config.chunk_size,
                     request_deadline_s=self.config.request_deadline_s,

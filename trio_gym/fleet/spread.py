@@ -18,9 +18,11 @@ from trio_gym.fleet.launch import HostSpec, Provider
 from trio_gym.fleet.local import LocalProvider
 from trio_gym.http import Endpoint
 from trio_gym.trainer.batch_file import BatchRunner
-from trio_gym.trainer.client import ClientSettings, Progress, RolloutClient
+from trio_gym.trainer.client import RolloutClient
+from trio_gym.trainer.host_client import ClientSettings
 from trio_gym.trainer.hosts import HostHandle
-from trio_gym.trainer.pool import HostPool, PoolSettings
+from trio_gym.trainer.pool import HostPool, Progress
+from trio_gym.trainer.scheduler import SchedulerSettings
 
 PROVIDERS: dict[str, Callable[[], Provider]] = {"local": LocalProvider}
 
@@ -52,7 +54,7 @@ def batch_runner(
     launch: Launch | None,
     spec: HostSpec,
     client_settings: ClientSettings,
-    pool_settings: PoolSettings,
+    pool_settings: SchedulerSettings,
 ) -> BatchRunner:
     """The call that runs one batch on the hosts chosen (each example's outcome, as
     :data:`~trio_gym.trainer.batch_file.BatchRunner` says); raises ``ValueError`` for a choice

@@ -1,7 +1,7 @@
 """The library a trio-based trainer imports to talk to hosts (DESIGN §5)."""
 
 from trio_gym.trainer.answers import decode_response
-from trio_gym.trainer.client import ClientSettings, Progress, RolloutClient, SilentProgress
+from trio_gym.trainer.client import RolloutClient
 from trio_gym.trainer.coordinator import (
     CheckpointAborted,
     CheckpointCoordinator,
@@ -15,12 +15,13 @@ from trio_gym.trainer.dispatch import (
     Dispatcher,
     DispatchSettings,
     GroupFailed,
-    RemoteHost,
     SealedResult,
 )
 from trio_gym.trainer.errors import Origin, Reach, RolloutError
+from trio_gym.trainer.host_client import ClientSettings, HostClient
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
-from trio_gym.trainer.pool import HostPool, PoolSettings
+from trio_gym.trainer.pool import HostPool, Progress, SilentProgress
+from trio_gym.trainer.scheduler import HostLost, RemoteHost, Scheduler, SchedulerSettings
 from trio_gym.trainer.stream import Row, RowError, RowStream, StreamSummary
 
 __all__ = [
@@ -33,11 +34,12 @@ __all__ = [
     "Dispatcher",
     "GroupFailed",
     "HostHandle",
+    "HostClient",
+    "HostLost",
     "HostPool",
     "LaunchFailed",
     "Origin",
     "Reach",
-    "PoolSettings",
     "Progress",
     "RemoteHost",
     "RestoreFailed",
@@ -45,6 +47,8 @@ __all__ = [
     "Restored",
     "RolloutClient",
     "RolloutError",
+    "Scheduler",
+    "SchedulerSettings",
     "Row",
     "RowError",
     "RowStream",

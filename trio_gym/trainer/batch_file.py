@@ -28,9 +28,9 @@ from trio_gym.protocol.rollouts import (
     failure_identity,
     is_failure_record,
 )
-from trio_gym.trainer.client import Progress, batch_failure
 from trio_gym.trainer.errors import RolloutError
 from trio_gym.trainer.hosts import LaunchFailed
+from trio_gym.trainer.pool import Progress, batch_failure
 
 # What a failure record made here says beside Gym's keys: where its chunk's failure came from.
 FAILURE_ORIGIN_KEY = "_trio_gym_failure_origin"

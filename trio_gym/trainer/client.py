@@ -1,153 +1,30 @@
-"""The trainer's rollout client (DESIGN §5): batches in, results or a correctly named failure out.
+"""The trainer's rollout client: a batch in, each example's result or a correctly named failure
+out — against one host, as a pool of that one host.
 
-A batch is split into chunks; each chunk is one ``POST /rollouts/run``; at most
-``max_in_flight`` chunks are on the wire at once. Every failure is a :class:`RolloutError`
-whose ``origin`` sends the reader to the right system and whose ``reach`` says whether a host
-took the chunk (:class:`~trio_gym.trainer.errors.Reach`: unreached chunks are sent again,
-here and by a pool; taken ones never):
-
-=========================================================  =========  =========
-what happened                                              origin     reach
-=========================================================  =========  =========
-no connection                                              proxy      unreached
-no response head over HTTP/1.1 (reset, timeout) (*)        proxy      unreached
-the host's "not now" (``not_ready``, ``host_busy``, ...)    sandbox    unreached
-a gateway that could not reach the host (its 502/503/504)  proxy      unreached
-any other non-2xx body (an HTML 502 page)                  proxy      unreached
-non-2xx with the host's other ``{"error": ...}``            sandbox    refused
-the request is over the host's size limit (413)            client     refused
-non-2xx with a flat ``{"code", "message"}``                proxy      taken
-a 2xx whose document is ``{"error": ...}``                  sandbox    taken
-a body that is not UTF-8 / JSON / the expected shape       sandbox    taken
-a cut answer (heartbeats only, or the body died), host     sandbox    taken
-gone
-a cut answer while the host's ``/health`` says ready       proxy      taken
-=========================================================  =========  =========
-
-This client re-sends an unreached chunk itself (``max_attempts``), but for the host's own "not
-now": it has no other host to send it to.
-
-(*) The host sends its head the moment it admits a batch, and cancels the batch when its
-caller's connection goes: a missing head means nothing ran. Over HTTP/1.0 the host answers
-only once the batch is done, so there only a connection that never opened is unreached.
-
-A cut answer is named by asking the host's ``/health`` at once (a proxy may end a cut body
-cleanly, so the bytes alone cannot say whether the host died). Bugs in this process propagate
-as themselves.
-
-With ``ClientSettings(failures="records")`` a failed example does not fail its chunk: the host
-answers its failure record in its place (an object with ``_ng_failure_class``, as NeMo Gym's
-collection writes it; :func:`~trio_gym.protocol.rollouts.is_failure_record` tells them apart),
-and :meth:`RolloutClient.outcomes` gives each example its result, its failure record, or the
-:class:`RolloutError` of a chunk that failed as a whole — so no result is lost to another's
-failure.
+``await RolloutClient(url).run(examples)`` splits the batch into chunks and sends them through a
+:class:`~trio_gym.trainer.pool.HostPool` of the client's host: ``max_in_flight`` chunks at
+once, a chunk the host did not take sent again (at most ``max_attempts`` sends) once a probe of
+``/health`` finds the host ready (``backoff_s`` between probes), a taken one never. A
+:class:`RolloutClient` is also a :class:`~trio_gym.trainer.host_client.HostClient`: ``post`` and
+``stream`` send one request as it is. Failures are named as
+:mod:`trio_gym.trainer.host_client` says.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-import attrs
-import h11
-import trio
-
-from trio_gym.errors import raise_unwrapped
-from trio_gym.http import (
-    BodyFailed,
-    ConnectFailed,
-    Endpoint,
-    HttpLimits,
-    NoResponse,
-    StreamOpener,
-    encode_json,
-    exchange,
-    open_tcp,
-)
-from trio_gym.logs import log_event
-from trio_gym.protocol.rollouts import FAILURES_FIELD, ROW_OFFSET_FIELD, FailureMode
-from trio_gym.trainer.answers import decode_response, is_cut, named_cut
-from trio_gym.trainer.deadlines import DeadlineRegistry, RequestDeadline
-from trio_gym.trainer.errors import Origin, Reach, RolloutError
-from trio_gym.trainer.hosts import HostHandle
-from trio_gym.trainer.stream import RowStream
+from trio_gym.http import HttpLimits, StreamOpener, open_tcp
+from trio_gym.trainer.deadlines import DeadlineRegistry
+from trio_gym.trainer.host_client import ClientSettings, HostClient
+from trio_gym.trainer.pool import HostPool, Progress, SilentProgress
+from trio_gym.trainer.scheduler import SchedulerSettings
 
 
-class Progress(Protocol):
-    """What a progress display hears; every method is called from the client's trio tasks."""
-
-    def chunk_started(self, chunk: int, attempt: int, size: int) -> None: ...
-    def heartbeat(self, chunk: int) -> None: ...
-    def chunk_finished(self, chunk: int, results: Sequence[Any]) -> None: ...
-    def chunk_failed(self, chunk: int, error: RolloutError) -> None: ...
-
-
-class SilentProgress:
-    def chunk_started(self, chunk: int, attempt: int, size: int) -> None:
-        pass
-
-    def heartbeat(self, chunk: int) -> None:
-        pass
-
-    def chunk_finished(self, chunk: int, results: Sequence[Any]) -> None:
-        pass
-
-    def chunk_failed(self, chunk: int, error: RolloutError) -> None:
-        pass
-
-
-@attrs.frozen
-class ClientSettings:
-    """How the client splits, paces and bounds its requests."""
-
-    chunk_size: int = 8
-    max_in_flight: int = 8
-    max_attempts: int = 3
-    backoff_s: float = 1.0
-    """Retry ``n`` waits ``n * backoff_s`` first, outside the concurrency limit."""
-    request_deadline_s: float = 1800.0 + 120.0
-    """A host's own deadline (1800 s by default) should end a batch first; this bounds a host or
-    proxy that keeps a request open forever."""
-    host_deadline_s: float | None = None
-    """Sent as the request's ``deadline_s`` when set."""
-    max_request_bytes: int = 256 * 1024 * 1024
-    """The host's limit (``NMP_MAX_REQUEST_BYTES``): a bigger chunk is refused before sending."""
-    max_response_bytes: int = 256 * 1024 * 1024
-    idle_timeout_s: float = 120.0
-    """The longest gap between bytes of a response; heartbeats (15 s) keep a healthy one busy."""
-    connect_timeout_s: float = 30.0
-    """How long a connection may take to open."""
-    head_timeout_s: float = 60.0
-    """How long the response head may take once the request is sent: a host answers it as soon
-    as it has read the batch (over HTTP/1.1; a 1.0 host answers at the end, so there only
-    ``request_deadline_s`` bounds it). A stalled host is found in this, not in the deadline."""
-    http_version: Literal["1.1", "1.0"] = "1.1"
-    """``1.0`` asks for the host's buffered answer (no heartbeats), for 1.0-only proxies."""
-    failures: FailureMode = "batch"
-    """``records``: a failed example's failure record comes back in its place (see above)."""
-    cut_probe_timeout_s: float = 5.0
-    """How long the ``GET /health`` that names a cut answer may take."""
-
-    def __attrs_post_init__(self) -> None:
-        for name in ("chunk_size", "max_in_flight", "max_attempts"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1")
-        for name in ("request_deadline_s", "idle_timeout_s", "connect_timeout_s", "head_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be positive")
-
-
-class RolloutClient:
+class RolloutClient(HostClient):
     """Runs batches against one host. Async, trio-only; one client may serve many tasks.
-
-    ``opener`` makes the connection (default: TCP to the URL's host and port); tests pass one
-    that returns in-memory streams to an in-process host, so time can be virtual. With
-    ``deadlines``, request deadlines stand still while a holder pauses them (a checkpoint
-    holding admission closed: requests then wait on it, they are not slow). ``headers`` go with
-    every request (a sandbox platform's proxy may route or authorise by them); ``identity`` is
-    the one its provider gave the host (a stranger at a reused address refuses the request).
-    """
+    ``progress`` hears every chunk of :meth:`run` and :meth:`outcomes`."""
 
     def __init__(
         self,
@@ -161,284 +38,37 @@ class RolloutClient:
         headers: Sequence[tuple[str, str]] = (),
         identity: str = "",
     ) -> None:
-        self.endpoint = Endpoint.parse(url)
-        self.host = HostHandle(self.endpoint.authority, url, tuple(headers), identity=identity)
-        self.headers = self.host.request_headers()
-        self.settings = settings or ClientSettings()
+        super().__init__(
+            url, settings, limits=limits, opener=opener, deadlines=deadlines, headers=headers,
+            identity=identity,
+        )  # fmt: skip
         self.progress: Progress = progress or SilentProgress()
-        self.limits = limits or HttpLimits()
-        self.opener = opener
-        self.deadlines = deadlines
 
     async def run(self, examples: Sequence[Mapping[str, Any]]) -> list[Any]:
-        """Run ``examples``; return one result per example, in input order.
-
-        Raises ``ValueError`` for an empty batch and :class:`RolloutError` if any chunk failed
-        (the message counts the failed chunks and carries the first failure's cause). Any other
-        exception is a bug in this process and propagates as itself.
-        """
-        answers = await self._run_chunks(examples)
-        results: list[Any] = []
-        failures: list[RolloutError] = []
-        for answer in answers:
-            if isinstance(answer, RolloutError):
-                failures.append(answer)
-            else:
-                results.extend(answer)
-        if failures:
-            raise batch_failure(failures, len(answers))
-        return results
+        """Run ``examples``; one result per example, in input order (as
+        :meth:`HostPool.run <trio_gym.trainer.pool.HostPool.run>`)."""
+        async with self._pool() as pool:
+            return await pool.run(examples)
 
     async def outcomes(self, examples: Sequence[Mapping[str, Any]]) -> list[Any]:
         """Run ``examples``; for each, in input order, its result (a failure record, with
-        ``failures="records"``) or the :class:`RolloutError` its chunk failed with."""
-        answers = await self._run_chunks(examples)
-        size = self.settings.chunk_size
-        return [
-            outcome
-            for index, answer in enumerate(answers)
-            for outcome in (
-                answer
-                if isinstance(answer, list)
-                else [answer] * len(examples[index * size : (index + 1) * size])
-            )
-        ]
+        ``failures="records"``) or the :class:`~trio_gym.trainer.errors.RolloutError` its chunk
+        failed with."""
+        async with self._pool() as pool:
+            return await pool.outcomes(examples)
 
-    async def _run_chunks(
-        self, examples: Sequence[Mapping[str, Any]]
-    ) -> list[list[Any] | RolloutError]:
-        if not examples:
-            raise ValueError("an empty batch has nothing to run; pass at least one example")
-        size = self.settings.chunk_size
-        chunks = [examples[i : i + size] for i in range(0, len(examples), size)]
-        answers: list[list[Any] | RolloutError] = [[] for _ in chunks]
-        limiter = trio.CapacityLimiter(self.settings.max_in_flight)
-        try:
-            async with trio.open_nursery() as nursery:
-                for index, chunk in enumerate(chunks):
-                    # ``start`` returns once the chunk holds a slot: chunks go out in order.
-                    await nursery.start(self._run_chunk, index, chunk, limiter, answers)
-        except ExceptionGroup as group:
-            # A bug in one chunk task cancels the rest; surface it as itself, not wrapped.
-            raise_unwrapped(group)
-        return answers
-
-    async def _run_chunk(
-        self,
-        index: int,
-        chunk: Sequence[Mapping[str, Any]],
-        limiter: trio.CapacityLimiter,
-        answers: list[list[Any] | RolloutError],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        attempts = self.settings.max_attempts
-        for attempt in range(1, attempts + 1):
-            async with limiter:
-                if attempt == 1:
-                    task_status.started()
-                log_event("chunk_sending", chunk=index, attempt=attempt, examples=len(chunk))
-                self.progress.chunk_started(index, attempt, len(chunk))
-                try:
-                    results = await self.post(
-                        chunk,
-                        row_offset=index * self.settings.chunk_size,
-                        on_heartbeat=lambda: self.progress.heartbeat(index),
-                    )
-                except RolloutError as error:
-                    failure = error
-                else:
-                    answers[index] = results
-                    self.progress.chunk_finished(index, results)
-                    return
-            # The host's own "not now" is not retried here: it has no other host to go to,
-            # and says when it will be ready (a pool sends such a chunk elsewhere).
-            unreached = failure.reach is Reach.UNREACHED and failure.origin is not Origin.SANDBOX
-            if not unreached or attempt == attempts:
-                break
-            log_event("chunk_retrying", chunk=index, attempt=attempt, error=str(failure))
-            await trio.sleep(self.settings.backoff_s * attempt)
-        final = failure.renamed(
-            f"chunk {index + 1} failed after {attempt} attempt(s): {failure.message}"
-        )
-        answers[index] = final
-        self.progress.chunk_failed(index, final)
-
-    async def post(
-        self,
-        examples: Sequence[Mapping[str, Any]],
-        *,
-        row_offset: int = 0,
-        on_heartbeat: Callable[[], None] | None = None,
-    ) -> list[Any]:
-        """One ``POST /rollouts/run`` for ``examples``, without retries; the results in order.
-        ``row_offset`` is the position of the first in the caller's whole input (a Gym host
-        numbers rows from it).
-
-        Raises :class:`RolloutError` classified as in the module docstring.
-        """
-        payload = self.encode_request(examples, row_offset=row_offset)
-        heard = _Heard(on_heartbeat)
-        started = trio.current_time()
-        cut: tuple[str, int] | None = None  # named once out of the deadline: the probe is ours
-        with RequestDeadline(self.deadlines, self.settings.request_deadline_s).waiting():
-            try:
-                response = await exchange(
-                    self.endpoint,
-                    "POST",
-                    "/rollouts/run",
-                    payload,
-                    limits=self.limits,
-                    max_response_bytes=self.settings.max_response_bytes,
-                    idle_timeout_s=self.settings.idle_timeout_s,
-                    headers=[("content-type", "application/json"), *self.headers],
-                    opener=self.opener,
-                    request_version=self.settings.http_version.encode(),
-                    on_head=heard.on_head,
-                    on_data=heard.on_data,
-                    connect_timeout_s=self.settings.connect_timeout_s,
-                    head_timeout_s=self.head_timeout_s,
-                )
-            except NoResponse as exc:
-                raise self.unanswered(exc) from exc
-            except BodyFailed as exc:
-                if exc.too_large:
-                    raise _too_large(exc) from exc
-                cut = (f"{exc} ({heard.heartbeats} heartbeat(s) in)", exc.status)
-            else:
-                if not is_cut(response.status, response.body):
-                    return self._results(response.status, response.body, len(examples))
-                elapsed = trio.current_time() - started
-                cut = (
-                    f"HTTP {response.status} with only heartbeat whitespace "
-                    f"({len(response.body)} bytes, {elapsed:.0f} s)",
-                    response.status,
-                )
-        if cut is not None:
-            raise await self.cut(*cut)
-        raise _deadline_passed(self.settings.request_deadline_s, self.endpoint, heard, self)
-
-    def _results(self, status: int, body: bytes, expected: int) -> list[Any]:
-        results = decode_response(status, body, page_reach=self.unanswered_reach())
-        if len(results) != expected:
-            raise RolloutError(
-                f"the host returned {len(results)} results for {expected} examples",
-                origin=Origin.SANDBOX,
-                reach=Reach.TAKEN,
-                status=status,
-            )
-        return results
-
-    @property
-    def head_timeout_s(self) -> float:
-        """The head's bound (a 1.0 host answers only at the end: none of its own there)."""
-        return self.settings.head_timeout_s if self.settings.http_version == "1.1" else math.inf
-
-    def unanswered_reach(self, failure: NoResponse | None = None) -> Reach:
-        """Whether a chunk with no response head was taken (the module docstring's (*))."""
-        if self.settings.http_version == "1.1" or isinstance(failure, ConnectFailed):
-            return Reach.UNREACHED
-        return Reach.TAKEN
-
-    def unanswered(self, failure: NoResponse) -> RolloutError:
-        """The error of a request that got no response head."""
-        return RolloutError(
-            str(failure), origin=Origin.PROXY, reach=self.unanswered_reach(failure), suspect=True
-        )
-
-    async def cut(self, what: str, status: int) -> RolloutError:
-        """The error of an answer cut after its head: named by the host's ``/health`` now."""
-        return await named_cut(
-            self.host,
-            f"the answer was cut: {what}",
-            status=status,
-            timeout_s=self.settings.cut_probe_timeout_s,
-            opener=self.opener,
+    def _pool(self) -> HostPool:
+        settings = self.settings
+        return HostPool(
+            [self.host],
+            SchedulerSettings(
+                per_host_in_flight=settings.max_in_flight,
+                max_unreached_sends=settings.max_attempts,
+                max_host_failures=settings.max_attempts,  # its sends run out first
+                probe_interval_s=settings.backoff_s,
+            ),
+            client_settings=settings,
+            progress=self.progress,
             limits=self.limits,
+            opener=self.opener,
         )
-
-    def stream(self, examples: Sequence[Mapping[str, Any]]) -> RowStream:
-        """Run ``examples`` as one request answered row by row (NDJSON), in completion order.
-
-        See :mod:`trio_gym.trainer.stream`; no chunking or retries: the caller decides what to
-        do with examples that got no row.
-        """
-        return RowStream(self, examples)
-
-    def encode_request(
-        self, examples: Sequence[Mapping[str, Any]], *, row_offset: int = 0
-    ) -> bytes:
-        """The request body for ``examples``; a :class:`RolloutError` (client) if over the limit."""
-        document: dict[str, Any] = {"examples": list(examples)}
-        if self.settings.host_deadline_s is not None:
-            document["deadline_s"] = self.settings.host_deadline_s
-        if self.settings.failures != "batch":
-            document[FAILURES_FIELD] = self.settings.failures
-        if row_offset:
-            document[ROW_OFFSET_FIELD] = row_offset
-        payload = encode_json(document)
-        if len(payload) > self.settings.max_request_bytes:
-            raise RolloutError(
-                f"the request for {len(examples)} examples is {len(payload)} bytes, over the "
-                f"host's limit of {self.settings.max_request_bytes}; lower the chunk size",
-                origin=Origin.CLIENT,
-                reach=Reach.REFUSED,
-            )
-        return payload
-
-
-class _Heard:
-    """What one request has heard so far: the status (once headers arrived), heartbeats."""
-
-    def __init__(self, on_heartbeat: Callable[[], None] | None) -> None:
-        self.status: int | None = None
-        self.heartbeats = 0
-        self._on_heartbeat = on_heartbeat
-
-    def on_head(self, head: h11.Response) -> None:
-        self.status = head.status_code
-
-    def on_data(self, data: bytes) -> None:
-        if not data.strip():
-            self.heartbeats += 1
-            if self._on_heartbeat is not None:
-                self._on_heartbeat()
-
-
-def _too_large(failure: BodyFailed) -> RolloutError:
-    return RolloutError(
-        f"the response is over this client's max_response_bytes: {failure}",
-        origin=Origin.CLIENT,
-        reach=Reach.TAKEN,
-        status=failure.status,
-    )
-
-
-def _deadline_passed(
-    waited: float, endpoint: Endpoint, heard: _Heard, client: RolloutClient
-) -> RolloutError:
-    if heard.status is None:
-        return RolloutError(
-            f"no response headers from {endpoint.authority} within {waited:g} s",
-            origin=Origin.PROXY,
-            reach=client.unanswered_reach(),
-            suspect=True,
-        )
-    return RolloutError(
-        f"no complete answer within {waited:g} s (request_deadline_s) although the host kept "
-        f"sending ({heard.heartbeats} heartbeat(s)); its own deadline should have ended the "
-        "batch first: check its NMP_ROLLOUT_DEADLINE_S",
-        origin=Origin.SANDBOX,
-        reach=Reach.TAKEN,
-        status=heard.status,
-    )
-
-
-def batch_failure(failures: list[RolloutError], chunks: int) -> RolloutError:
-    """One error for a batch whose ``failures`` (of ``chunks``) failed: counted, the first's
-    cause carried."""
-    first = failures[0]
-    summary = f"{len(failures)} of {chunks} rollout chunk(s) failed"
-    if len(failures) == chunks > 1:
-        summary += "; every chunk failed, so the host itself is the likelier cause"
-    return first.renamed(f"{summary}. First: {first.message}")

@@ -63,6 +63,7 @@ from trio_gym.trainer.manifest import (
     Participant,
     write_manifest,
 )
+from trio_gym.trainer.recovery import LastCheckpoint
 from trio_gym.trainer.restore import Restored, Restorer
 
 __all__ = [
@@ -104,7 +105,8 @@ class CheckpointCoordinator:
     async def checkpoint(self, directory: Path) -> CheckpointManifest:
         """Take one checkpoint into ``directory`` (created if needed); its manifest."""
         with self._one_at_a_time():
-            return await self._checkpoint(directory)
+            async with self.dispatcher.host_changes:  # no lost host's recovery meanwhile
+                return await self._checkpoint(directory)
 
     async def _checkpoint(self, directory: Path) -> CheckpointManifest:
         checkpoint_id = f"ckpt-{uuid.uuid4().hex[:16]}"
@@ -138,6 +140,12 @@ class CheckpointCoordinator:
 
     async def _take(self, checkpoint_id: str, directory: Path) -> CheckpointManifest:
         dispatcher, settings = self.dispatcher, self.settings
+        if unsettled := dispatcher.scheduler.unsettled:
+            raise CheckpointUnavailable(
+                f"hosts {unsettled} were lost and their work is not yet on their heirs "
+                "(a replacement is starting)",
+                checkpoint_id,
+            )
         with trio.move_on_after(settings.gate_timeout_s):
             await dispatcher.gate.close()
         if not dispatcher.gate.is_open and dispatcher.gate.admissions_under_way:
@@ -168,6 +176,7 @@ class CheckpointCoordinator:
                 hosts=[_still_owned(exports[host], ledger) for host in sorted(exports)],
             )
             write_manifest(directory, manifest)
+        dispatcher.last_checkpoint = LastCheckpoint(directory, manifest)
         return manifest
 
     async def _commit_and_drain(
@@ -305,6 +314,11 @@ class CheckpointCoordinator:
                     ) from None
                 lost = (attempt.rollout_id, attempt.number) in dispatcher.to_retire[host]
                 if attempt.state is AttemptState.ABANDONED and lost:
+                    continue
+                if attempt.state is AttemptState.RESERVED and attempt.host == host:
+                    # Its request's head never came (not taken, by the one rule), yet the host
+                    # holds it: left out, retired; its re-send is then a loss, run afresh.
+                    dispatcher.queue_retire(attempt)
                     continue
                 if attempt.host != host or current is not attempt:
                     raise CheckpointAborted(

@@ -11,12 +11,23 @@ a result (or an example's own error row)    SEALED, handed to ``on_result`` in t
 ``admission_closed`` (a checkpoint)          back to RESERVED with its identity; re-sent once
                                             admission reopens; spends no budget; counted in
                                             :attr:`Dispatcher.admission_closed_rows_total`
-the request certainly never reached the     back to RESERVED with its identity; re-sent
-host (no connection, or the host refused)   after a backoff, at most ``max_unreached`` times
-no row (the stream was cut), no head for    ABANDONED, retired on its host at once (under
-another reason, or ``stale_attempt`` (the   dispatch admission), re-sent as a fresh attempt
-host holds this identity already)           under a new rollout id, at most ``max_losses``
+the request was not taken (its error's      back to RESERVED with its identity; re-sent
+``reach``: no connection, no head, the      once the scheduler finds the host ready, at
+host's "not now")                           most ``max_unreached_sends`` times
+no row (the stream was cut while the host   ABANDONED, retired on its host at once (under
+lives, or the answer was taken and failed), dispatch admission), re-sent as a fresh attempt
+or ``stale_attempt`` (the host holds this   under a new rollout id, at most ``max_losses``
+identity already)
+no row, and the host was lost               recovered on its heir (below)
 ==========================================  =============================================
+
+Hosts are a :class:`~trio_gym.trainer.scheduler.Scheduler`'s (``async with dispatcher:``): a
+new group's siblings go to the healthy hosts with the least unsealed work, each request holds
+a slot on its host, and a host that fails is probed, ejected and replaced there. When a host
+is lost, its work moves to its heir (its replacement, or the least loaded host left) before
+the heir takes anything: episodes of the last checkpoint still running on the lost host are
+restored on the heir from that checkpoint's export (as the next attempt, exactly once); the
+rest of its unsealed attempts run there afresh. A checkpoint and a recovery never overlap.
 
 The gate rule: an attempt is marked DISPATCHED inside the gate's admission, in the same
 mutation that precedes its submission, and the admission lasts until the host has answered the
@@ -31,77 +42,41 @@ with dispatch closed, before it prepares.
 
 from __future__ import annotations
 
+import collections
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, Final
 
 import attrs
 import trio
 
 from trio_gym.errors import raise_unwrapped
-from trio_gym.http import ConnectFailed, StreamOpener, open_tcp
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import RetireReply
 from trio_gym.protocol.identity import ATTEMPT_KEY, ROLLOUT_ID_KEY
-from trio_gym.trainer.client import ClientSettings, RolloutClient
-from trio_gym.trainer.control import ControlError, HostControl, reply_as
+from trio_gym.trainer.control import ControlError, reply_as
 from trio_gym.trainer.deadlines import DeadlineRegistry
-from trio_gym.trainer.errors import Origin, RolloutError
+from trio_gym.trainer.errors import Reach, RolloutError
 from trio_gym.trainer.gate import DispatchGate
-from trio_gym.trainer.hosts import HostHandle
+from trio_gym.trainer.hosts import Launcher
 from trio_gym.trainer.ledger import Attempt, AttemptState, Ledger
+from trio_gym.trainer.recovery import LastCheckpoint, recover
+from trio_gym.trainer.scheduler import (
+    Connect,
+    HostLost,
+    Member,
+    RemoteHost,
+    Scheduler,
+    SchedulerSettings,
+)
 from trio_gym.trainer.stream import Row, RowError, RowStream
 
 ADMISSION_CLOSED: Final = "admission_closed"
 STALE_ATTEMPT: Final = "stale_attempt"
-UNREACHED_STATUSES: Final = frozenset({409, 429, 503})
-"""A refused request the host did not run and may take later (busy, stopping, closed)."""
 DROP_GRACE_S: Final = 5.0
 """How long a cancelled group may wait for the ledger to record that it was dropped."""
-
-
-@attrs.frozen
-class RemoteHost:
-    """One host instance: its name in the ledger and manifests, and how to reach it."""
-
-    name: str
-    client: RolloutClient
-    control: HostControl
-
-    @classmethod
-    def connect(
-        cls,
-        name: str,
-        url: str,
-        token: str,
-        *,
-        settings: ClientSettings | None = None,
-        deadlines: DeadlineRegistry | None = None,
-    ) -> RemoteHost:
-        """A host known by its URL and control token."""
-        handle = HostHandle(name, url, control_token=token)
-        return cls.launched(handle, settings=settings, deadlines=deadlines)
-
-    @classmethod
-    def launched(
-        cls,
-        handle: HostHandle,
-        *,
-        settings: ClientSettings | None = None,
-        deadlines: DeadlineRegistry | None = None,
-        opener: StreamOpener = open_tcp,
-    ) -> RemoteHost:
-        """A host a provider launched: its requests and control calls carry the handle's
-        headers (a platform's proxy may want its own) and identity."""
-        client = RolloutClient(
-            handle.url, settings, deadlines=deadlines, headers=handle.headers,
-            identity=handle.identity, opener=opener,
-        )  # fmt: skip
-        control = HostControl(
-            handle.url, handle.control_token, headers=handle.request_headers(), opener=opener
-        )
-        return cls(handle.name, client, control)
 
 
 @attrs.frozen
@@ -125,8 +100,6 @@ class GroupFailed(Exception):
 class DispatchSettings:
     max_losses: int = 3
     """Attempts a sibling may lose (its row never came) before its group fails."""
-    max_unreached: int = 5
-    """Times one attempt's request may fail to reach its host before its group fails."""
     max_admission_refusals: int = 1000
     """Re-sends after ``admission_closed`` for one attempt: a bound so that a host whose
     admission never reopens ends the group instead of livelocking it."""
@@ -134,14 +107,22 @@ class DispatchSettings:
     """The pause before re-sending a refused row while this trainer's own gate is open (the
     host's admission was closed by something else)."""
     resend_backoff_s: float = 1.0
-    """The pause before re-sending after a request did not reach its host, or after a loss (a
-    short proxy outage must not use up ``max_losses`` in milliseconds)."""
-    retire_timeout_s: float = 30.0
+    """The pause before re-sending after a request was not taken, or after a loss (a short
+    proxy outage must not use up ``max_losses`` in milliseconds)."""
+    control_timeout_s: float = 30.0
+    """Each control call's deadline: a retire, and a lost host's recovery on its heir."""
+    recovery_lease_s: float = 60.0
+    """The heir's lease while it restores a lost host's episodes (its admission is closed)."""
 
 
 class Dispatcher:
-    """Runs groups against named hosts; shares its ledger, gate and deadlines with a
-    :class:`~trio_gym.trainer.coordinator.CheckpointCoordinator`."""
+    """Runs groups over a scheduler's hosts (``async with dispatcher:``); shares its ledger,
+    gate and deadlines with a :class:`~trio_gym.trainer.coordinator.CheckpointCoordinator`.
+
+    ``hosts`` are the hosts it starts with; ``launcher`` (a provider) replaces lost ones, each
+    replacement's handle made a host by ``connect`` (default: ``RemoteHost.launched`` with the
+    dispatcher's deadlines, which its hosts' clients must share).
+    """
 
     def __init__(
         self,
@@ -151,19 +132,43 @@ class Dispatcher:
         ledger: Ledger | None = None,
         settings: DispatchSettings | None = None,
         deadlines: DeadlineRegistry | None = None,
+        scheduler: SchedulerSettings | None = None,
+        launcher: Launcher | None = None,
+        connect: Connect | None = None,
     ) -> None:
-        if not hosts or len({host.name for host in hosts}) != len(hosts):
-            raise ValueError("a dispatcher needs at least one host, each with its own name")
-        self.hosts: dict[str, RemoteHost] = {host.name: host for host in hosts}
         self.ledger = ledger or Ledger(incarnation=uuid.uuid4().hex[:8])
         self.gate = DispatchGate()
         self.deadlines = deadlines or DeadlineRegistry()
         self.settings = settings or DispatchSettings()
         self.on_result = on_result
+        self.scheduler = Scheduler(
+            hosts,
+            scheduler,
+            launcher=launcher,
+            connect=connect or partial(RemoteHost.launched, deadlines=self.deadlines),
+            on_lost=self._host_lost,
+        )
         self.admission_closed_rows_total = 0
         self.to_retire: dict[str, set[tuple[str, int]]] = defaultdict(set)
         """Host -> (rollout id, attempt) it may still run although the ledger gave them up."""
-        self._next_host = 0
+        self.last_checkpoint: LastCheckpoint | None = None
+        """The checkpoint a lost host's episodes are recovered from (the coordinator's last)."""
+        self.host_changes = trio.Lock()
+        """Held by a checkpoint, and by the recovery of a lost host: never both at once."""
+        self.recovered_total = 0
+        """Episodes of lost hosts restored on their heirs from a checkpoint."""
+
+    async def __aenter__(self) -> Dispatcher:
+        await self.scheduler.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return await self.scheduler.__aexit__(*exc_info)
+
+    @property
+    def hosts(self) -> dict[str, RemoteHost]:
+        """The hosts in service, by name."""
+        return self.scheduler.hosts
 
     # --- groups -----------------------------------------------------------------------------
 
@@ -175,9 +180,9 @@ class Dispatcher:
         hosts: Sequence[str] | None = None,
     ) -> None:
         """Run one group to the end: ``examples[i]`` is sibling ``i``'s payload (kept in memory
-        only), sent to ``hosts[i]`` (default: the hosts in turn). A group already in the ledger
-        (after a restore) continues: sealed siblings are not sent again, restored ones go to
-        their own host as the next attempt."""
+        only), sent to ``hosts[i]`` (default: the healthy hosts with the least unsealed work). A
+        group already in the ledger (after a restore) continues: sealed siblings are not sent
+        again, restored ones go to their own host as the next attempt."""
         if hosts is not None and (len(hosts) != len(examples) or not set(hosts) <= set(self.hosts)):
             raise ValueError(f"hosts must name one of {sorted(self.hosts)} per payload")
         async with self.ledger.mutation() as ledger:
@@ -194,11 +199,12 @@ class Dispatcher:
                     f"group {group_id!r} has {len(group.siblings)} siblings in the ledger; "
                     f"{len(examples)} payloads were given"
                 )
-        budget = _Budget()
-        used = sorted({sibling.current.host for sibling in group.siblings})
+        used = sorted(
+            {s.current.host for s in group.siblings if s.current.state is not AttemptState.SEALED}
+        )
         finished = False
         try:
-            await self._on_each_host(group_id, used, examples, budget)
+            await self._on_each_host(group_id, used, examples, _Budget())
             finished = True
         finally:  # cancelled or failed: the group is given up (cleanup under a bounded shield)
             if not finished:
@@ -214,23 +220,48 @@ class Dispatcher:
         budget: _Budget,
     ) -> None:
         """Each host's siblings in their own loop (a re-send to one host never waits for
-        another host's stream); a :class:`GroupFailed` surfaces as itself."""
+        another host's stream), one loop per host at a time: a loop whose host was lost hands
+        on to its heir's. A :class:`GroupFailed` surfaces as itself."""
+        looping: set[str] = set()
 
         async def host_loop(host: str) -> None:
-            while attempts := await self._waiting(group_id, host):
-                await self._send(host, attempts, examples, budget)
+            try:
+                while attempts := await self._waiting(group_id, host):
+                    await self._send(host, attempts, examples, budget)
+                return
+            except HostLost as lost:
+                if lost.heir is None:
+                    raise GroupFailed(f"group {group_id!r}: {lost}no host is left") from lost
+                heir = lost.heir
+            finally:
+                looping.discard(host)
+            loop_on(heir)
+
+        def loop_on(host: str) -> None:
+            if host not in looping:
+                looping.add(host)
+                nursery.start_soon(host_loop, host)
 
         try:
             async with trio.open_nursery() as nursery:
                 for host in hosts:
-                    nursery.start_soon(host_loop, host)
+                    loop_on(self.scheduler.heir_of(host) or host)
         except ExceptionGroup as group:
             raise_unwrapped(group, alike=GroupFailed)
 
     def _assign(self, siblings: int) -> list[str]:
-        names = list(self.hosts)
-        start, self._next_host = self._next_host, self._next_host + siblings
-        return [names[(start + index) % len(names)] for index in range(siblings)]
+        """Each sibling on the healthy host with the least unsealed work (every host in service
+        when none is healthy now)."""
+        names = self.scheduler.healthy() or list(self.hosts)
+        load = collections.Counter({name: 0 for name in names})
+        for state in (AttemptState.RESERVED, AttemptState.DISPATCHED):
+            load.update(a.host for a in self.ledger.in_state(state) if a.host in load)
+        assigned = []
+        for _ in range(siblings):
+            host = min(names, key=lambda name: load[name])
+            load[host] += 1
+            assigned.append(host)
+        return assigned
 
     async def _waiting(self, group_id: str, host: str) -> list[Attempt]:
         """The group's attempts to send to ``host`` now; abandoned siblings get a fresh
@@ -259,7 +290,7 @@ class Dispatcher:
         still run are queued for the next checkpoint to retire."""
         async with self.ledger.mutation() as ledger:
             for attempt in ledger.drop(group_id):
-                self._queue_retire(attempt)
+                self.queue_retire(attempt)
         log_event("group_dropped", group=group_id)
 
     # --- one request ------------------------------------------------------------------------
@@ -271,6 +302,8 @@ class Dispatcher:
         examples: Sequence[Mapping[str, Any]],
         budget: _Budget,
     ) -> None:
+        """One request for ``attempts`` on ``host``, in one of its slots; :class:`HostLost` if
+        the host was lost before or while it ran (its work is then its heir's)."""
         keys = [attempt.capture_key for attempt in attempts]
         payload = [
             {
@@ -280,20 +313,21 @@ class Dispatcher:
             }
             for key, attempt in zip(keys, attempts, strict=True)
         ]
-        rows = self.hosts[host].client.stream(payload)
-        try:
-            unanswered = await self._submit(host, keys, rows, budget)
-            if unanswered is None:
-                lost_some = await self._read_rows(host, keys, rows, budget)
-            elif _never_reached(unanswered):
-                lost_some = False
-            else:  # the host may have taken the batch: never re-sent under these ids
-                log_event("request_unanswered", host=host, error=str(unanswered))
-                await self._lose(host, keys)
-                lost_some = True
-        finally:
-            await rows.aclose()
-        if unanswered is not None or lost_some:
+        async with self.scheduler.slot(host) as member:
+            rows = member.host.client.stream(payload)
+            try:
+                failure = await self._submit(member, keys, rows, budget)
+                if failure is None:
+                    lost_some = await self._read_rows(member, keys, rows, budget)
+                elif failure.reach is Reach.UNREACHED:
+                    lost_some = False
+                else:  # the host may have taken the batch: never re-sent under these ids
+                    log_event("request_unanswered", host=host, error=str(failure))
+                    await self._lose(host, keys)
+                    lost_some = True
+            finally:
+                await rows.aclose()
+        if failure is not None or lost_some:
             await trio.sleep(self.settings.resend_backoff_s)
         elif self.gate.is_open and any(
             self.ledger.attempt(key).state is AttemptState.RESERVED for key in keys
@@ -303,33 +337,42 @@ class Dispatcher:
             await trio.sleep(self.settings.admission_retry_s)
 
     async def _submit(
-        self, host: str, keys: list[str], rows: RowStream, budget: _Budget
+        self, member: Member, keys: list[str], rows: RowStream, budget: _Budget
     ) -> RolloutError | None:
         """Mark and send inside one gate admission, held until the host's answer head; the
-        error if no head came (attempts that certainly never reached the host are RESERVED
-        again before the admission ends)."""
+        error if no head came (attempts the host did not take are RESERVED again before the
+        admission ends)."""
         async with self.gate.admission():
             async with self.ledger.mutation() as ledger:
                 for key in keys:
-                    ledger.dispatch(key, host)
+                    ledger.dispatch(key, member.name)
             try:
                 await rows.start()
             except RolloutError as error:
-                if _never_reached(error):
-                    await self._unreached(keys, error, budget)
+                self.scheduler.failed(member, error)
+                if error.reach is not Reach.TAKEN:
+                    await self._not_taken(keys, error, budget)
                 return error
             return None
 
     async def _read_rows(
-        self, host: str, keys: list[str], rows: RowStream, budget: _Budget
+        self, member: Member, keys: list[str], rows: RowStream, budget: _Budget
     ) -> bool:
-        """Settle each row as it comes; rows that never came are lost. True if any was lost."""
+        """Settle each row as it comes; rows that never came are lost — unless their host was
+        lost too, and the recovery moved them to its heir (then :class:`HostLost`). True if any
+        was lost."""
+        host = member.name
         stale = False
         try:
             async for row in rows:
                 stale |= await self._settle(keys[row.index], row, budget)
         except RolloutError as error:
             log_event("stream_cut", host=host, error=str(error), missing=len(rows.missing))
+            self.scheduler.failed(member, error)
+            if rows.missing:
+                await self.scheduler.until_settled(member)
+        else:
+            self.scheduler.succeeded(member)
         missing = [keys[index] for index in rows.missing]
         await self._lose(host, missing)
         if stale and not missing:
@@ -349,7 +392,7 @@ class Dispatcher:
                 budget.refused(key, self.settings.max_admission_refusals)
                 return False
             if code == STALE_ATTEMPT:
-                self._queue_retire(ledger.move(key, AttemptState.ABANDONED))
+                self.queue_retire(ledger.move(key, AttemptState.ABANDONED))
                 log_event("attempt_stale", key=key, message=row.error.message if row.error else "")
                 return True
             attempt = ledger.move(key, AttemptState.SEALED)
@@ -367,20 +410,16 @@ class Dispatcher:
             )
             return False
 
-    async def _unreached(self, keys: list[str], error: RolloutError, budget: _Budget) -> None:
-        """The request certainly never reached its host's episodes: they keep their identity
-        (a host refusal it may accept later, or a connection that never opened). A request
-        that can never be sent as it is (too large) or that the host refuses for good fails
-        the group at once, naming why."""
+    async def _not_taken(self, keys: list[str], error: RolloutError, budget: _Budget) -> None:
+        """The host did not take the request: its episodes keep their identity. One that it
+        refuses for what it is (too large, invalid) fails the group at once, naming why."""
         async with self.ledger.mutation() as ledger:
             for key in keys:
                 ledger.move(key, AttemptState.RESERVED)  # no host holds them: nothing to retire
-        if error.origin is Origin.CLIENT:
-            raise GroupFailed(f"the request cannot be sent: {error}") from error
-        if error.status is not None and error.status not in UNREACHED_STATUSES:
-            raise GroupFailed(f"the host refused the request: {error}") from error
+        if error.reach is Reach.REFUSED:
+            raise GroupFailed(f"the request was refused for what it is: {error}") from error
         for key in keys:
-            budget.unreached(key, self.settings.max_unreached, error)
+            budget.unreached(key, self.scheduler.settings.max_unreached_sends, error)
         log_event("request_unreached", keys=len(keys), error=str(error))
 
     async def _lose(self, host: str, keys: list[str]) -> None:
@@ -390,7 +429,7 @@ class Dispatcher:
             return
         async with self.ledger.mutation() as ledger:
             for key in keys:
-                self._queue_retire(ledger.move(key, AttemptState.ABANDONED))
+                self.queue_retire(ledger.move(key, AttemptState.ABANDONED))
         await self._retire_now(host)
 
     async def _retire_now(self, host: str) -> None:
@@ -402,9 +441,26 @@ class Dispatcher:
             except ControlError as error:
                 log_event("retire_deferred", host=host, error=str(error))
 
+    # --- lost hosts -------------------------------------------------------------------------
+
+    async def _host_lost(self, lost: RemoteHost, heir: RemoteHost | None) -> None:
+        """The scheduler lost ``lost``: its work moves to ``heir`` before the heir takes
+        any (:mod:`trio_gym.trainer.recovery`); nothing of it is left to retire there."""
+        async with self.host_changes:
+            restored = await recover(
+                self.ledger,
+                lost.name,
+                heir,
+                self.last_checkpoint,
+                timeout_s=self.settings.control_timeout_s,
+                lease_s=self.settings.recovery_lease_s,
+            )
+        self.recovered_total += len(restored)
+        self.to_retire.pop(lost.name, None)
+
     # --- retiring ---------------------------------------------------------------------------
 
-    def _queue_retire(self, attempt: Attempt) -> None:
+    def queue_retire(self, attempt: Attempt) -> None:
         """Remember an attempt the ledger gave up that its host may still run."""
         self.to_retire[attempt.host].add((attempt.rollout_id, attempt.number))
 
@@ -417,7 +473,7 @@ class Dispatcher:
             return
         control = self.hosts[host].control
         reply = await control.retire(
-            f"retire-{uuid.uuid4().hex[:16]}", queued, timeout_s=self.settings.retire_timeout_s
+            f"retire-{uuid.uuid4().hex[:16]}", queued, timeout_s=self.settings.control_timeout_s
         )
         still = reply_as(RetireReply, reply, "retire", host).still_stopping.count
         if still != 0:  # marked, but some copies had not ended by the deadline: not done yet
@@ -446,16 +502,6 @@ class _Budget:
         self.unreached_sends[key] += 1
         if self.unreached_sends[key] > limit:
             raise GroupFailed(
-                f"{key} could not reach its host in {self.unreached_sends[key]} sends "
-                f"(max_unreached={limit}): {error}"
+                f"{key} was not taken by its host in {self.unreached_sends[key]} sends "
+                f"(max_unreached_sends={limit}): {error}"
             ) from error
-
-
-def _never_reached(error: RolloutError) -> bool:
-    """Whether the host certainly did not take the request's episodes: nothing was sent (the
-    request is too large), the connection never opened, or the host itself refused the request
-    (it refuses before admitting anything). A missing head otherwise (a timeout, a reset, a
-    proxy's 502) may hide a batch it took."""
-    refused_by_host = error.origin is Origin.SANDBOX and error.status is not None
-    unsent = error.origin is Origin.CLIENT or isinstance(error.__cause__, ConnectFailed)
-    return refused_by_host or unsent

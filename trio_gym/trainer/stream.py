@@ -32,7 +32,7 @@ from trio_gym.trainer.deadlines import RequestDeadline
 from trio_gym.trainer.errors import Origin, Reach, RolloutError
 
 if TYPE_CHECKING:
-    from trio_gym.trainer.client import RolloutClient
+    from trio_gym.trainer.host_client import HostClient
 
 NDJSON = "application/x-ndjson"
 
@@ -67,7 +67,7 @@ class StreamSummary:
 class RowStream:
     """One ``POST /rollouts/run`` answered row by row; an async iterator of :class:`Row`."""
 
-    def __init__(self, client: RolloutClient, examples: Sequence[Mapping[str, Any]]) -> None:
+    def __init__(self, client: HostClient, examples: Sequence[Mapping[str, Any]]) -> None:
         if not examples:
             raise ValueError("an empty batch has nothing to stream; pass at least one example")
         self._client = client
@@ -153,7 +153,7 @@ class RowStream:
                     head_timeout_s=client.head_timeout_s,
                 )
             except NoResponse as exc:
-                raise client.unanswered(exc) from exc
+                raise client.unanswered(exc, rows=True) from exc
             if self._head.status_code != 200:
                 await self._refused(self._head)
             return
@@ -163,7 +163,7 @@ class RowStream:
         raise RolloutError(
             f"no response headers from {client.endpoint.authority} within {waited:g} s",
             origin=Origin.PROXY,
-            reach=client.unanswered_reach(),
+            reach=client.unanswered_reach(rows=True),
             suspect=True,
         )
 
@@ -178,7 +178,7 @@ class RowStream:
             )
         except BodyFailed as exc:
             raise RolloutError(str(exc), origin=Origin.PROXY, reach=Reach.TAKEN) from exc
-        decode_response(head.status_code, body, page_reach=self._client.unanswered_reach())
+        decode_response(head.status_code, body, page_reach=self._client.unanswered_reach(rows=True))
         raise RolloutError(
             f"HTTP {head.status_code} with a results document instead of rows",
             origin=Origin.SANDBOX,

@@ -1,0 +1,116 @@
+"""A host lost inside a run: the one scheduler ejects it, its heir takes its work, and its
+episodes of the last checkpoint continue there exactly once (virtual clock, in-process hosts)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from tests.fleet import Fleet, calendar, fleet, uninterrupted
+from trio_gym.trainer.scheduler import SchedulerSettings
+
+GROUPS = {
+    "long": [calendar(1, think_s=5.0), calendar(2, think_s=5.0)],
+    "short": [calendar(3, think_s=1.0, meetings=1), calendar(4, think_s=1.0, meetings=1)],
+    "mixed": [calendar(5, think_s=4.0), calendar(6, think_s=0.5, meetings=2)],
+}
+QUICK = SchedulerSettings(probe_interval_s=0.5, max_host_failures=2)
+
+
+async def run_all(f: Fleet, groups: dict[str, list[dict[str, Any]]]) -> None:
+    async with trio.open_nursery() as nursery:
+        for group_id, examples in groups.items():
+            nursery.start_soon(f.dispatcher.run_group, group_id, examples)
+
+
+def each_once(f: Fleet) -> bool:
+    counted = Counter((r.group_id, r.sibling) for r in f.consumed)
+    return counted == Counter({(g, i): 1 for g in GROUPS for i in range(2)})
+
+
+async def assert_results_are_uninterrupted(f: Fleet) -> None:
+    for sealed in f.consumed:
+        assert sealed.error is None
+        expected = await uninterrupted(GROUPS[sealed.group_id][sealed.sibling])
+        assert sealed.result["booked"] == expected["booked"]  # its side effects, once
+
+
+async def test_a_host_lost_between_checkpoints_is_replaced_and_its_episodes_continue_there(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    async with fleet(replaceable=True, scheduler=QUICK) as f, trio.open_nursery() as nursery:
+        nursery.start_soon(run_all, f, GROUPS)
+        await trio.sleep(7)  # long.* and mixed.0 are mid-episode
+        manifest = await f.coordinator.checkpoint(tmp_path / "c1")
+        exported = {key: host.instance for host in manifest.hosts for key in host.episodes}
+        victim = next(host for host in sorted(set(exported.values())))
+        await trio.sleep(1)
+        f.kill(victim)
+    assert f.world.replaced == [(victim, f"{victim}-r1")]
+    assert each_once(f)
+    await assert_results_are_uninterrupted(f)
+    from_checkpoint = [r for r in f.consumed if exported.get(r.rollout_id) == victim]
+    assert from_checkpoint and all(r.attempt == 1 for r in from_checkpoint)
+    assert {r.host for r in from_checkpoint} == {f"{victim}-r1"}
+    assert f.dispatcher.recovered_total == len(from_checkpoint)
+    assert victim not in f.dispatcher.hosts and f.dispatcher.scheduler.ejected == {}
+
+
+async def test_without_a_launcher_the_least_loaded_host_left_inherits_the_lost_ones_work(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    async with fleet(("a", "b", "c"), scheduler=QUICK) as f, trio.open_nursery() as nursery:
+        nursery.start_soon(run_all, f, GROUPS)
+        await trio.sleep(7)
+        manifest = await f.coordinator.checkpoint(tmp_path / "c1")
+        exported = {key: host.instance for host in manifest.hosts for key in host.episodes}
+        victim = sorted(set(exported.values()))[0]
+        await trio.sleep(1)
+        f.kill(victim)
+    assert each_once(f)
+    await assert_results_are_uninterrupted(f)
+    heirs = {r.host for r in f.consumed if exported.get(r.rollout_id) == victim}
+    assert len(heirs) == 1 and victim not in heirs
+    assert list(f.dispatcher.scheduler.ejected) == [victim]
+
+
+async def test_a_host_lost_before_any_checkpoint_has_its_work_run_afresh_on_the_replacement(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with fleet(replaceable=True, scheduler=QUICK) as f, trio.open_nursery() as nursery:
+        nursery.start_soon(run_all, f, GROUPS)
+        await trio.sleep(3)
+        f.kill("b")
+    assert each_once(f)
+    await assert_results_are_uninterrupted(f)
+    assert f.dispatcher.recovered_total == 0
+    on_replacement = [r for r in f.consumed if r.host == "b-r1"]
+    assert on_replacement and all(r.attempt == 0 and ".g1" in r.rollout_id for r in on_replacement)
+
+
+async def test_a_checkpoint_while_a_lost_host_is_being_replaced_is_unavailable(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    async with fleet(replaceable=True, scheduler=QUICK) as f, trio.open_nursery() as nursery:
+        slow = f.world.replace
+
+        async def slow_replace(handle: Any) -> Any:
+            await trio.sleep(30)  # a sandbox platform takes its time
+            return await slow(handle)
+
+        f.world.replace = slow_replace  # type: ignore[method-assign]
+        nursery.start_soon(run_all, f, GROUPS)
+        await trio.sleep(3)
+        f.kill("b")
+        await trio.sleep(5)  # ejected by now, its replacement still starting
+        failures = 0
+        try:
+            await f.coordinator.checkpoint(tmp_path / "c1")
+        except Exception as error:
+            failures += 1
+            assert "work is not yet on their heirs" in str(error)
+        assert failures == 1
+    assert each_once(f)
