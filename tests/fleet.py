@@ -130,6 +130,7 @@ class World:
     async def _live(self, host: Host, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as life:
             life.start_soon(host.checkpoints.watch_lease)
+            await life.start(host.keyed.serve)
             task_status.started(life)
             await trio.sleep_forever()
 

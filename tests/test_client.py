@@ -233,7 +233,7 @@ async def test_each_answer_is_named_and_taken_or_not_by_one_rule(
         probe = [None if health is CannedHost.REFUSE else respond(health or b"")]
     async with trio.open_nursery() as nursery:
         canned = CannedHost(nursery, [respond(raw), *probe])
-        client = HostClient(URL, opener=canned.open)
+        client = HostClient(URL, ClientSettings(max_reattaches=0), opener=canned.open)
         with pytest.raises(RolloutError) as failure:
             await client.post([{"seed": 1}])
     error = failure.value
@@ -279,7 +279,8 @@ async def test_no_response_headers_is_proxy_and_retried() -> None:
 async def test_a_body_that_dies_after_the_headers_is_sent_exactly_once() -> None:
     async with trio.open_nursery() as nursery:
         canned = CannedHost(nursery, [respond(DIED), respond(HEALTH_READY)])
-        client = RolloutClient(URL, ClientSettings(backoff_s=0), opener=canned.open)
+        settings = ClientSettings(backoff_s=0, max_reattaches=0)  # a host that keeps nothing
+        client = RolloutClient(URL, settings, opener=canned.open)
         with pytest.raises(RolloutError) as failure:
             await client.run([{"seed": 1}])
     assert (failure.value.origin, failure.value.reach) == (Origin.PROXY, Reach.TAKEN)

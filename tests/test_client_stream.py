@@ -86,14 +86,15 @@ async def test_a_stream_cut_before_its_done_line_is_named_as_run_names_a_cut_and
     probe = CannedHost.REFUSE if health is None else respond(health)
     async with trio.open_nursery() as nursery:
         canned = CannedHost(nursery, [respond(cut), probe])
-        client = RolloutClient(URL, opener=canned.open)
+        once = ClientSettings(max_reattaches=0)  # a scripted host keeps no answer to reattach to
+        client = RolloutClient(URL, once, opener=canned.open)
         seen = []
         with pytest.raises(RolloutError) as failure:
             async for row in client.stream([{"a": 1}, {"a": 2}]):
                 seen.append(row.index)
         document = CannedHost(nursery, [respond(chunked_response(b" ", end=framed_end)), probe])
         with pytest.raises(RolloutError) as run_failure:
-            await RolloutClient(URL, opener=document.open).run([{"a": 1}])
+            await RolloutClient(URL, once, opener=document.open).run([{"a": 1}])
     assert seen == [0]
     assert (failure.value.origin, failure.value.reach) == (origin, Reach.TAKEN)
     assert (run_failure.value.origin, run_failure.value.reach) == (origin, Reach.TAKEN)

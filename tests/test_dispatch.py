@@ -16,6 +16,10 @@ from trio_gym.trainer.coordinator import CheckpointCoordinator, CheckpointSettin
 from trio_gym.trainer.dispatch import Dispatcher, DispatchSettings, GroupFailed, SealedResult
 from trio_gym.trainer.ledger import AttemptState, Ledger, LedgerError
 
+NO_REATTACH = ClientSettings(request_deadline_s=10**7, max_reattaches=0)
+"""For the rules of a cut that no reattach mends (a host that kept nothing, a proxy that cuts
+every time)."""
+
 
 def states(ledger: Any, group_id: str) -> list[list[tuple[str, int, str]]]:
     """Every sibling's attempts as (rollout id, attempt, state)."""
@@ -97,7 +101,7 @@ async def test_rows_missing_from_a_cut_stream_are_abandoned_retired_and_resent_u
         consumed.append(sealed)
         f.cuts["a"][0].set()
 
-    async with fleet(("a",), on_result=cut_after_the_first_row) as f:
+    async with fleet(("a",), client=NO_REATTACH, on_result=cut_after_the_first_row) as f:
         await f.dispatcher.run_group("g", examples)
         status = f.hosts["a"].checkpoints.status()
     ledger = f.dispatcher.ledger
@@ -110,6 +114,30 @@ async def test_rows_missing_from_a_cut_stream_are_abandoned_retired_and_resent_u
     assert len(f.runners["a"].cancelled) == 1  # ... which stopped running it at once
     assert f.dispatcher.to_retire["a"] == set()
     assert [r.rollout_id for r in consumed] == [f"g.0@{token}", f"g.1@{token}.g1"]
+    expected = await uninterrupted(examples[1])
+    assert consumed[1].result["booked"] == expected["booked"]
+
+
+async def test_a_stream_cut_while_its_host_lives_reattaches_and_no_row_is_lost(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    examples = [calendar(1, think_s=1.0), calendar(2, think_s=50.0)]
+    consumed: list[SealedResult] = []
+
+    def cut_after_the_first_row(sealed: SealedResult) -> None:
+        consumed.append(sealed)
+        f.cuts["a"][0].set()
+
+    async with fleet(("a",), on_result=cut_after_the_first_row) as f:
+        await f.dispatcher.run_group("g", examples)
+    token = f.dispatcher.ledger.incarnation
+    assert states(f.dispatcher.ledger, "g") == [
+        [(f"g.0@{token}", 0, "sealed")],
+        [(f"g.1@{token}", 0, "sealed")],  # not lost: the same attempt's row came through
+    ]
+    runner = f.runners["a"]
+    assert (len(runner.started), len(runner.completed), len(runner.cancelled)) == (2, 2, 0)
+    assert f.hosts["a"].keyed.reattached_total == 1
     expected = await uninterrupted(examples[1])
     assert consumed[1].result["booked"] == expected["booked"]
 
@@ -269,6 +297,7 @@ async def test_a_retire_whose_copies_are_still_stopping_stays_queued(
     examples = [calendar(1, think_s=1.0), calendar(2, think_s=50.0)]
     async with fleet(
         ("a",),
+        client=NO_REATTACH,
         dispatch=settings,
         on_result=cut_after_the_first_row,
         runners={"a": StubbornRunner()},

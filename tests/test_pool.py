@@ -7,14 +7,11 @@ the hosts' runner appends to as each example starts)."""
 
 from __future__ import annotations
 
-import collections
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -23,7 +20,8 @@ from typing import Any
 import pytest
 import trio
 
-from tests.processes import HANG_GUARD_S, kill_all, processes_with
+from tests.processes import HANG_GUARD_S
+from tests.recorded import TOKEN_VARIABLE, Hosts, assert_each_ran_once, examples
 from trio_gym.fleet import HostHandle, HostSpec, LaunchFailed, LocalProvider
 from trio_gym.trainer import RolloutClient, RolloutError
 from trio_gym.trainer.errors import Origin
@@ -31,62 +29,6 @@ from trio_gym.trainer.host_client import ClientSettings
 from trio_gym.trainer.hosts import HealthStatus, probe
 from trio_gym.trainer.pool import HostPool
 from trio_gym.trainer.scheduler import SchedulerSettings
-
-TOKEN_VARIABLE = "TRIO_GYM_POOL_TEST"
-
-
-class Hosts:
-    """One test's hosts: their spec, their record file, and the processes they leave."""
-
-    def __init__(self, tmp_path: Path) -> None:
-        self.token = uuid.uuid4().hex
-        self.record = tmp_path / "record.jsonl"
-        self.record.touch()
-
-    def spec(
-        self,
-        runner: str = "tests.user_runner:recording",
-        serve_args: tuple[str, ...] = (),
-        **fields: Any,
-    ) -> HostSpec:
-        environment = {
-            "NMP_RUNNER": runner,
-            "TRIO_GYM_TEST_RECORD": str(self.record),
-            TOKEN_VARIABLE: self.token,
-        }
-        fields = {"ready_timeout_s": 30.0, "stop_grace_s": 2.0, **fields}
-        return HostSpec(environment, ("--heartbeat-interval", "0.2", *serve_args), **fields)
-
-    def runs(self) -> list[dict[str, Any]]:
-        """Every example start the hosts recorded (not their cancellations)."""
-        lines = [json.loads(line) for line in self.record.read_text().splitlines()]
-        return [line for line in lines if not line.get("cancelled")]
-
-    def left_behind(self) -> list[int]:
-        return processes_with(TOKEN_VARIABLE, self.token)
-
-    async def first_host_to_run(self) -> int:
-        """The pid of the host that started an example first (once one has)."""
-        while not (runs := self.runs()):  # noqa: ASYNC110 (another process writes the file)
-            await trio.sleep(0.01)
-        pid: int = runs[0]["pid"]
-        return pid
-
-
-@pytest.fixture
-def hosts(tmp_path: Path) -> AsyncIterator[Hosts]:
-    made = Hosts(tmp_path)
-    yield made  # type: ignore[misc]
-    kill_all(TOKEN_VARIABLE, made.token)  # a failed test's leftovers; a passing one has none
-
-
-def examples(count: int, sleep_s: float) -> list[dict[str, Any]]:
-    return [{"id": index, "sleep_s": sleep_s} for index in range(count)]
-
-
-def assert_each_ran_once(hosts: Hosts, count: int) -> None:
-    started = collections.Counter(run["id"] for run in hosts.runs())
-    assert started == dict.fromkeys(range(count), 1)
 
 
 async def run_and_signal_the_first_host(

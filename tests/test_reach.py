@@ -48,11 +48,12 @@ def routed(openers: dict[str, Any]) -> Callable[[Endpoint], Any]:
 
 
 def pool_over(handles: list[HostHandle], opener: Any, **settings: Any) -> HostPool:
-    """A pool of chunks of one, probing every second, no backoff: the tests' clock is virtual."""
+    """A pool of chunks of one, probing every second, no backoff: the tests' clock is virtual.
+    Scripted hosts keep no answers: nothing is reattached."""
     return HostPool(
         handles,
         SchedulerSettings(probe_interval_s=1, **settings),
-        client_settings=ClientSettings(chunk_size=1, backoff_s=0),
+        client_settings=ClientSettings(chunk_size=1, backoff_s=0, max_reattaches=0),
         opener=opener,
     )
 

@@ -70,6 +70,20 @@ class ServeConfig(BaseModel):
     send_timeout_s: PositiveSeconds = Field(
         default=30.0, description="A caller that takes no bytes for this long is given up."
     )
+    reattach_grace_s: PositiveSeconds = Field(
+        default=60.0,
+        description="A batch sent with an Idempotency-Key runs on this long with no caller "
+        "attached (its caller may come back for it); then it is cancelled.",
+    )
+    answer_retention_s: PositiveSeconds = Field(
+        default=600.0,
+        description="How long a keyed batch's finished answer is kept to be handed out again.",
+    )
+    answer_retention_bytes: int = Field(
+        default=256 * MiB,
+        ge=0,
+        description="Finished keyed answers kept, in bytes (the oldest go first).",
+    )
     max_connections: int = Field(
         default=1024,
         gt=0,
@@ -243,6 +257,9 @@ ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
     "max_head_bytes": "NMP_MAX_HEAD_BYTES",
     "read_timeout_s": "NMP_READ_TIMEOUT_S",
     "send_timeout_s": "NMP_SEND_TIMEOUT_S",
+    "reattach_grace_s": "NMP_REATTACH_GRACE_S",
+    "answer_retention_s": "NMP_ANSWER_RETENTION_S",
+    "answer_retention_bytes": "NMP_ANSWER_RETENTION_BYTES",
     "max_connections": "NMP_MAX_CONNECTIONS",
     "shutdown_grace_s": "NMP_SHUTDOWN_GRACE_S",
     "job_id": "NMP_JOB_ID",

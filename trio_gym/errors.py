@@ -48,6 +48,8 @@ class ErrorCode(enum.StrEnum):
     CHECKPOINT_CONFLICT = "checkpoint_conflict"
     WRONG_PHASE = "wrong_phase"
     EXPORT_INVALID = "export_invalid"
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"
+    ANSWER_EXPIRED = "answer_expired"
 
 
 # The status each code is answered with when it is still possible to choose one. A
@@ -77,6 +79,8 @@ DEFAULT_STATUS: dict[ErrorCode, int] = {
     ErrorCode.CHECKPOINT_CONFLICT: 409,
     ErrorCode.WRONG_PHASE: 409,
     ErrorCode.EXPORT_INVALID: 422,
+    ErrorCode.IDEMPOTENCY_KEY_REUSED: 422,
+    ErrorCode.ANSWER_EXPIRED: 410,
 }
 
 

@@ -24,13 +24,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from trio_gym.errors import ErrorCode, WireError, describe_validation_error, leaves
 from trio_gym.http import (
-    ChunkedBody,
     ConnectionLost,
     HttpConnection,
     encode_json,
     read_body,
-    send_body,
 )
+from trio_gym.logs import log_event
 from trio_gym.protocol.identity import EpisodeId
 from trio_gym.protocol.rollouts import FailureMode
 from trio_gym.runners import Runner
@@ -47,9 +46,10 @@ from .batch import (
     run_examples,
 )
 from .episodes import LiveEpisode
+from .reattach import KeyedCaller, idempotency_key, request_digest
 from .rows import NDJSON, answer_with_rows
 from .state import Host
-from .supervision import supervise
+from .supervision import Caller, ConnectionCaller, supervise
 
 JSON: Final = "application/json"
 # A document's heartbeat: JSON whitespace, so heartbeats plus the document parse as one value.
@@ -190,6 +190,7 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
             f"{NDJSON} is a stream and needs HTTP/1.1 chunked framing; send HTTP/1.1, or ask for "
             "application/json",
         )
+    key = idempotency_key(head)
     body = await read_body(
         conn,
         head,
@@ -198,6 +199,27 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
         min_rate=host.limits.min_body_rate,
         advice=TOO_LARGE_ADVICE,
     )
+    keyed = host.keyed
+    if key is None or not keyed.running:  # a host driven without serve: as if unkeyed
+        await run_batch(host, ConnectionCaller(conn), body, rows)
+        return
+    version = conn.their_http_version or b""
+    digest = request_digest(body, rows=rows, http_version=version)
+    found = keyed.find(key, digest)
+    again = found is not None
+    if found is None:
+        found = keyed.start(
+            key, digest, lambda own: run_batch(host, KeyedCaller(keyed, own, version), body, rows)
+        )
+    try:
+        await keyed.attach(found, conn, again=again)
+    except ConnectionLost as exc:
+        log_event("keyed_caller_left", key=key, why=str(exc))
+
+
+async def run_batch(host: Host, caller: Caller, body: bytes, rows: bool) -> None:
+    """Validate, admit and run one batch, answering ``caller``; refusals before the status
+    line are raised as :class:`WireError`."""
     batch = Batch()
     validate = partial(
         validate_batch,
@@ -225,7 +247,7 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
         batch.size = len(request.examples)
         batch.advance(
             BatchState.RUNNING,
-            http_version=(conn.their_http_version or b"").decode(),
+            http_version=caller.http_version.decode(),
             mode="rows" if rows else "document",
             deadline_s=deadline_s,
         )
@@ -233,11 +255,11 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
         try:
             if rows:
                 await answer_with_rows(
-                    host, conn, batch, request.examples, admitted, deadline_s, request.row_offset
+                    host, caller, batch, request.examples, admitted, deadline_s, request.row_offset
                 )
             else:
                 episodes = [live for live in admitted if isinstance(live, LiveEpisode)]
-                await _answer_with_document(host, conn, batch, request, episodes, deadline_s)
+                await _answer_with_document(host, caller, batch, request, episodes, deadline_s)
         except ConnectionLost as exc:
             batch.advance(BatchState.ABANDONED, reason=str(exc))
         finally:
@@ -259,7 +281,7 @@ def refuse_unless_all_admitted(admitted: Sequence[LiveEpisode | WireError]) -> N
 
 async def _answer_with_document(
     host: Host,
-    conn: HttpConnection,
+    caller: Caller,
     batch: Batch,
     request: RolloutRequest,
     episodes: Sequence[LiveEpisode],
@@ -271,8 +293,8 @@ async def _answer_with_document(
     request asked for failure records, which then take the failed examples' places. What the
     examples registered for after their delivery runs once the whole document is written."""
     body = None
-    if conn.their_http_version == b"1.1":
-        body = await ChunkedBody.start(conn, 200, content_type=JSON)
+    if caller.http_version == b"1.1":
+        body = await caller.start(200, content_type=JSON)
     examples = request.examples
     document = ResultsDocument(len(examples), host.results_info, host.config.max_response_bytes)
     failures: list[ExampleFailed] = []
@@ -295,7 +317,7 @@ async def _answer_with_document(
             failures = leaves(group)
 
     stopped = await supervise(
-        host, conn, body, batch, heartbeat=HEARTBEAT, deadline_s=deadline_s, work=work
+        host, caller, body, batch, heartbeat=HEARTBEAT, deadline_s=deadline_s, work=work
     )
     if failures:
         answer = Answer.failure(batch_error(failures))
@@ -311,7 +333,7 @@ async def _answer_with_document(
     else:
         batch.advance(BatchState.FAILING, code=answer.error.value)
     if body is None:
-        await send_body(conn, answer.status, b"".join(answer.pieces), content_type=JSON)
+        await caller.send_whole(answer.status, b"".join(answer.pieces), content_type=JSON)
     else:
         runs = coalesce(answer.pieces)  # one run at a time: a large document is not copied
         held_back = next(runs)

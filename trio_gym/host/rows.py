@@ -21,7 +21,7 @@ from typing import Any, Final
 import trio
 
 from trio_gym.errors import ErrorCode, WireError, leaves
-from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, encode_json
+from trio_gym.http import ConnectionLost, encode_json
 from trio_gym.protocol.rollouts import SIDECAR_RECORD_FIELD
 from trio_gym.runners.base import Delivery
 
@@ -35,7 +35,7 @@ from .batch import (
 )
 from .episodes import LiveEpisode
 from .state import Host
-from .supervision import supervise
+from .supervision import Caller, supervise
 
 NDJSON: Final = "application/x-ndjson"
 # A stream's heartbeat: an empty line, which every NDJSON reader skips.
@@ -85,7 +85,7 @@ def sidecar_line(
 
 async def answer_with_rows(
     host: Host,
-    conn: HttpConnection,
+    caller: Caller,
     batch: Batch,
     examples: Sequence[dict[str, Any]],
     admitted: Sequence[LiveEpisode | WireError],
@@ -98,7 +98,7 @@ async def answer_with_rows(
 
     Raises :class:`~trio_gym.http.ConnectionLost` if the caller left or stopped reading.
     """
-    body = await ChunkedBody.start(conn, 200, content_type=NDJSON)
+    body = await caller.start(200, content_type=NDJSON)
     counts = {"completed": 0, "failed": 0}
     limit = host.config.max_response_bytes
     # Rows go through one writer, outside the examples' cancel scope: a row finished before
@@ -128,7 +128,7 @@ async def answer_with_rows(
     async def run_and_close() -> WireError | None:
         with rows_in:
             return await supervise(
-                host, conn, body, batch, heartbeat=ROW_HEARTBEAT, deadline_s=deadline_s, work=work
+                host, caller, body, batch, heartbeat=ROW_HEARTBEAT, deadline_s=deadline_s, work=work
             )
 
     stopped: WireError | None = None

@@ -291,6 +291,7 @@ async def serve(
     # and still reach the Gym deployment. They stop once the last connection has closed.
     async with trio.open_nursery() as services:
         services.start_soon(host.pacer.run)
+        await services.start(host.keyed.serve)
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as server_tasks:
                 server_tasks.start_soon(host.bootstrap, services)

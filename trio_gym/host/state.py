@@ -26,6 +26,7 @@ from .checkpoint import Checkpoints
 from .checkpoint_phases import CheckpointPhases
 from .episodes import Episodes
 from .pacer import Pacer
+from .reattach import KeyedBatches
 
 # How long an over-cap connection may take to send its head, and how long its close drains.
 REFUSAL_TIMEOUT_S: Final = 2.0
@@ -112,6 +113,12 @@ class Host:
         self.results_info = ResultsInfo(config.job_id, config.environment_path, config.work_path)
         """What every results document carries beside its results (fixed for the host's life)."""
         self.stats = HostStats()
+        self.keyed = KeyedBatches(
+            grace_s=config.reattach_grace_s,
+            retention_s=config.answer_retention_s,
+            retention_bytes=config.answer_retention_bytes,
+        )
+        """Batches sent with an ``Idempotency-Key``: run in ``serve``'s nursery, attachable."""
         self.shutdown_requested = trio.Event()
         self._stoppable: set[trio.CancelScope] = set()
         self.connection_slots = trio.CapacityLimiter(config.max_connections)

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Final
+from typing import Final, Protocol
 
 import attrs
 import trio
 
 from trio_gym.errors import ErrorCode, WireError, leaves
-from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection
+from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, send_body
 
 from .batch import Batch
 from .pacer import Pacer
@@ -43,10 +43,54 @@ WATCH_AFTER_S: Final = 0.005
 PROBE_DELAY_S: Final = 0.2
 
 
+class Body(Protocol):
+    """Where a chunked answer's pieces go: a caller's connection, or a keyed batch's log."""
+
+    @property
+    def can_send_nowait(self) -> bool: ...
+    async def send(self, data: bytes) -> None: ...
+    def send_nowait(self, data: bytes) -> bool: ...
+    async def finish(self, last: bytes = b"") -> None: ...
+
+
+class Caller(Protocol):
+    """Who a batch answers: one connection (:class:`ConnectionCaller`), or whoever attaches to
+    a keyed batch (:mod:`.reattach`)."""
+
+    @property
+    def http_version(self) -> bytes: ...
+    async def start(self, status: int, *, content_type: str) -> Body: ...
+    async def send_whole(self, status: int, body: bytes, *, content_type: str) -> None: ...
+    async def until_gone(self, body: Body | None, heartbeat: bytes) -> None:
+        """Raise :class:`ConnectionLost` once the caller is known to be gone; return when
+        nothing more can be learned by watching."""
+        ...
+
+
+@attrs.frozen
+class ConnectionCaller:
+    """The caller at the other end of ``conn``: a batch without a key ends with it."""
+
+    conn: HttpConnection
+
+    @property
+    def http_version(self) -> bytes:
+        return self.conn.their_http_version or b""
+
+    async def start(self, status: int, *, content_type: str) -> Body:
+        return await ChunkedBody.start(self.conn, status, content_type=content_type)
+
+    async def send_whole(self, status: int, body: bytes, *, content_type: str) -> None:
+        await send_body(self.conn, status, body, content_type=content_type)
+
+    async def until_gone(self, body: Body | None, heartbeat: bytes) -> None:
+        await _watch_caller(self.conn, body, heartbeat)
+
+
 async def supervise(
     host: Host,
-    conn: HttpConnection,
-    body: ChunkedBody | None,
+    caller: Caller,
+    body: Body | None,
     batch: Batch,
     *,
     heartbeat: bytes,
@@ -76,7 +120,7 @@ async def supervise(
                 # its own, so heartbeats and the watcher's start take the same road either way.
                 pacer = Pacer()
                 await nursery.start(pacer.run)
-            lasting = partial(_batch_lasts, nursery, batch, conn, body, heartbeat)
+            lasting = partial(_batch_lasts, nursery, batch, caller, body, heartbeat)
             timers = [pacer.call_after(WATCH_AFTER_S, lasting)]
             if body is not None:
                 beat = _Heartbeat(body, heartbeat, batch_scope)
@@ -117,12 +161,12 @@ async def supervise(
 def _batch_lasts(
     nursery: trio.Nursery,
     batch: Batch,
-    conn: HttpConnection,
-    body: ChunkedBody | None,
+    caller: Caller,
+    body: Body | None,
     heartbeat: bytes,
 ) -> None:
     """The batch outlived ``WATCH_AFTER_S``: watch its caller, say in the log that it runs."""
-    nursery.start_soon(_watch_caller, conn, body, heartbeat)
+    nursery.start_soon(caller.until_gone, body, heartbeat)
     batch.log_running()
 
 
@@ -131,7 +175,7 @@ class _Heartbeat:
     """A heartbeat the pacer writes without waiting (no task per connection); a caller found
     gone cancels the batch, and :func:`supervise` raises what was found."""
 
-    body: ChunkedBody
+    body: Body
     data: bytes
     batch: trio.CancelScope
     lost: ConnectionLost | None = None
@@ -144,7 +188,7 @@ class _Heartbeat:
             self.batch.cancel()
 
 
-async def _watch_caller(conn: HttpConnection, body: ChunkedBody | None, heartbeat: bytes) -> None:
+async def _watch_caller(conn: HttpConnection, body: Body | None, heartbeat: bytes) -> None:
     """Raise :class:`ConnectionLost` once the caller is known to be gone; return when nothing
     more can be learned by watching."""
     await conn.wait_until_peer_stops_sending()

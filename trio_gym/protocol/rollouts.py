@@ -20,6 +20,7 @@ trainer can tell which input line failed.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import Any, Final, Literal
 
@@ -28,6 +29,15 @@ from .identity import IDENTITY_KEYS, ROLLOUT_KEY, TASK_KEY, numbered
 FAILURES_FIELD: Final = "failures"
 FailureMode = Literal["batch", "records"]
 ROW_OFFSET_FIELD: Final = "row_offset"
+IDEMPOTENCY_KEY_HEADER: Final = "idempotency-key"
+"""A ``POST /rollouts/run`` under a key may be attached to again (:mod:`trio_gym.host.reattach`)."""
+
+
+def new_idempotency_key() -> str:
+    """A key for one request: a host that still has its batch attaches a second send to it."""
+    return uuid.uuid4().hex
+
+
 SIDECAR_RECORD_FIELD: Final = "record"
 
 FAILURE_CLASS_KEY: Final = "_ng_failure_class"

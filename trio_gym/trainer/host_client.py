@@ -68,7 +68,14 @@ from trio_gym.http import (
     exchange,
     open_tcp,
 )
-from trio_gym.protocol.rollouts import FAILURES_FIELD, ROW_OFFSET_FIELD, FailureMode
+from trio_gym.logs import log_event
+from trio_gym.protocol.rollouts import (
+    FAILURES_FIELD,
+    IDEMPOTENCY_KEY_HEADER,
+    ROW_OFFSET_FIELD,
+    FailureMode,
+    new_idempotency_key,
+)
 from trio_gym.trainer.answers import decode_response, is_cut, named_cut
 from trio_gym.trainer.deadlines import DeadlineRegistry, RequestDeadline
 from trio_gym.trainer.errors import Origin, Reach, RolloutError
@@ -109,11 +116,17 @@ class ClientSettings:
     """``records``: a failed example's failure record comes back in its place (see above)."""
     cut_probe_timeout_s: float = 5.0
     """How long the ``GET /health`` that names a cut answer may take."""
+    max_reattaches: int = 3
+    """Times a request whose answer was cut while its host lives is sent again under its
+    ``Idempotency-Key`` — attached to the batch the host still runs (or has kept), never run
+    twice — before it fails."""
 
     def __attrs_post_init__(self) -> None:
         for name in ("chunk_size", "max_in_flight", "max_attempts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.max_reattaches < 0:
+            raise ValueError("max_reattaches must be at least 0")
         for name in ("request_deadline_s", "idle_timeout_s", "connect_timeout_s", "head_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
@@ -164,9 +177,35 @@ class HostClient:
         Raises :class:`RolloutError` classified as in the module docstring.
         """
         payload = self.encode_request(examples, row_offset=row_offset)
+        key = new_idempotency_key()
+        for attach in range(self.settings.max_reattaches + 1):
+            try:
+                return await self._post_once(payload, key, len(examples), on_heartbeat)
+            except _Cut as cut:
+                error = await self.cut(cut.what, cut.status)
+            except RolloutError as failure:
+                if attach:  # the host took it on the first send: a reattach never unreaches it
+                    raise failure.renamed(
+                        f"reattaching to the answer under its key failed: {failure.message}",
+                        reach=Reach.TAKEN,
+                    ) from failure
+                raise
+            if error.origin is not Origin.PROXY or attach == self.settings.max_reattaches:
+                raise error.renamed(f"{error.message} (reattached {attach} time(s))")
+            log_event("answer_reattaching", host=self.host.name, key=key, error=error.message)
+        raise AssertionError("unreachable")
+
+    async def _post_once(
+        self,
+        payload: bytes,
+        key: str,
+        expected: int,
+        on_heartbeat: Callable[[], None] | None,
+    ) -> list[Any]:
+        """One exchange of the request under ``key``; :class:`_Cut` for a cut answer (named
+        by the caller, out of the deadline: the probe is its own)."""
         heard = _Heard(on_heartbeat)
         started = trio.current_time()
-        cut: tuple[str, int] | None = None  # named once out of the deadline: the probe is ours
         with RequestDeadline(self.deadlines, self.settings.request_deadline_s).waiting():
             try:
                 response = await exchange(
@@ -177,7 +216,11 @@ class HostClient:
                     limits=self.limits,
                     max_response_bytes=self.settings.max_response_bytes,
                     idle_timeout_s=self.settings.idle_timeout_s,
-                    headers=[("content-type", "application/json"), *self.headers],
+                    headers=[
+                        ("content-type", "application/json"),
+                        (IDEMPOTENCY_KEY_HEADER, key),
+                        *self.headers,
+                    ],
                     opener=self.opener,
                     request_version=self.settings.http_version.encode(),
                     on_head=heard.on_head,
@@ -190,18 +233,15 @@ class HostClient:
             except BodyFailed as exc:
                 if exc.too_large:
                     raise _too_large(exc) from exc
-                cut = (f"{exc} ({heard.heartbeats} heartbeat(s) in)", exc.status)
-            else:
-                if not is_cut(response.status, response.body):
-                    return self._results(response.status, response.body, len(examples))
-                elapsed = trio.current_time() - started
-                cut = (
-                    f"HTTP {response.status} with only heartbeat whitespace "
-                    f"({len(response.body)} bytes, {elapsed:.0f} s)",
-                    response.status,
-                )
-        if cut is not None:
-            raise await self.cut(*cut)
+                raise _Cut(f"{exc} ({heard.heartbeats} heartbeat(s) in)", exc.status) from exc
+            if not is_cut(response.status, response.body):
+                return self._results(response.status, response.body, expected)
+            elapsed = trio.current_time() - started
+            raise _Cut(
+                f"HTTP {response.status} with only heartbeat whitespace "
+                f"({len(response.body)} bytes, {elapsed:.0f} s)",
+                response.status,
+            )
         raise _deadline_passed(self.settings.request_deadline_s, self.endpoint, heard, self)
 
     def _results(self, status: int, body: bytes, expected: int) -> list[Any]:
@@ -271,6 +311,14 @@ class HostClient:
                 reach=Reach.REFUSED,
             )
         return payload
+
+
+class _Cut(Exception):
+    """An answer cut after its head: what was heard, for :meth:`HostClient.cut` to name."""
+
+    def __init__(self, what: str, status: int) -> None:
+        super().__init__(what)
+        self.what, self.status = what, status
 
 
 class _Heard:

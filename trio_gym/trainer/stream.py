@@ -6,9 +6,12 @@ ran). The stream ends at the host's ``done`` line (:attr:`RowStream.summary`);
 a batch-level failure there (deadline, shutdown) is raised as a ``sandbox``
 :class:`RolloutError` after the rows that did arrive. A stream that ends *without* its done line
 was cut: named as the client names any cut answer (the host's ``/health`` asked at once:
-``sandbox`` if it is gone, ``proxy`` if it lives), counting the examples that never got a row,
-and taken (the host had started them). Examples with no row did not finish;
-:attr:`RowStream.missing` lists them.
+``sandbox`` if it is gone, ``proxy`` if it lives). While the host lives, the stream reattaches
+to the batch under the request's ``Idempotency-Key`` (at most ``max_reattaches`` times): the
+host sends the answer again from its start, the rows already read are skipped, and the stream
+goes on. Otherwise the cut is raised, counting the examples that never got a row, and taken
+(the host had started them). Examples with no row did not finish; :attr:`RowStream.missing`
+lists them.
 
 Use it as ``async with client.stream(examples) as rows: async for row in rows: ...`` so the
 connection is closed however the loop ends; a plain ``async for`` closes it when the stream is
@@ -26,7 +29,12 @@ import attrs
 import h11
 
 from trio_gym.http import BodyFailed, ClientExchange, NoResponse
-from trio_gym.protocol.rollouts import SIDECAR_RECORD_FIELD
+from trio_gym.logs import log_event
+from trio_gym.protocol.rollouts import (
+    IDEMPOTENCY_KEY_HEADER,
+    SIDECAR_RECORD_FIELD,
+    new_idempotency_key,
+)
 from trio_gym.trainer.answers import decode_response
 from trio_gym.trainer.deadlines import RequestDeadline
 from trio_gym.trainer.errors import Origin, Reach, RolloutError
@@ -77,6 +85,11 @@ class RowStream:
         self._buffer = bytearray()
         self._searched = 0
         self._deadline: RequestDeadline | None = None
+        self._key = new_idempotency_key()
+        self._payload = b""
+        self._replayed: set[int] = set()
+        """Rows already read that a reattached answer sends again: skipped."""
+        self.reattaches = 0
         self._finished = False
         self.seen: set[int] = set()
         self.heartbeats = 0
@@ -131,29 +144,14 @@ class RowStream:
         """Send the request and wait for the answer's head (``async with`` calls it; a
         dispatcher calls it inside its gate admission, to know the host has the batch)."""
         client = self._client
+        self._payload = client.encode_request(self._examples)  # too large: nothing is sent
         self._deadline = RequestDeadline(client.deadlines, client.settings.request_deadline_s)
-        payload = client.encode_request(self._examples)
         with self._deadline.waiting():
             try:
-                self._exchange = await ClientExchange.open(
-                    client.endpoint,
-                    client.limits,
-                    opener=client.opener,
-                    connect_timeout_s=client.settings.connect_timeout_s,
-                )
-                self._head = await self._exchange.send(
-                    "POST",
-                    "/rollouts/run",
-                    payload,
-                    headers=[
-                        ("content-type", "application/json"),
-                        ("accept", NDJSON),
-                        *client.headers,
-                    ],
-                    head_timeout_s=client.head_timeout_s,
-                )
+                await self._send()
             except NoResponse as exc:
                 raise client.unanswered(exc, rows=True) from exc
+            assert self._head is not None
             if self._head.status_code != 200:
                 await self._refused(self._head)
             return
@@ -166,6 +164,57 @@ class RowStream:
             reach=client.unanswered_reach(rows=True),
             suspect=True,
         )
+
+    async def _send(self) -> None:
+        """Open a connection and send the request under its key; the answer's head."""
+        client = self._client
+        self._exchange = await ClientExchange.open(
+            client.endpoint,
+            client.limits,
+            opener=client.opener,
+            connect_timeout_s=client.settings.connect_timeout_s,
+        )
+        self._head = await self._exchange.send(
+            "POST",
+            "/rollouts/run",
+            self._payload,
+            headers=[
+                ("content-type", "application/json"),
+                ("accept", NDJSON),
+                (IDEMPOTENCY_KEY_HEADER, self._key),
+                *client.headers,
+            ],
+            head_timeout_s=client.head_timeout_s,
+        )
+
+    async def _reattach(self, cut: RolloutError) -> None:
+        """Send the request again under its key: the host attaches it to the batch it runs
+        (or kept), whose answer comes again from its start. Any failure is the chunk's, taken."""
+        assert self._exchange is not None
+        await self._exchange.conn.aclose()
+        self.reattaches += 1
+        log_event("rows_reattaching", key=self._key, seen=len(self.seen), error=cut.message)
+        try:
+            await self._send()
+        except NoResponse as exc:
+            raise RolloutError(
+                f"{cut.message}; reattaching under its key got no answer: {exc}",
+                origin=Origin.PROXY,
+                reach=Reach.TAKEN,
+                suspect=True,
+            ) from exc
+        assert self._head is not None
+        if self._head.status_code != 200:
+            try:
+                await self._refused(self._head)
+            except RolloutError as refusal:
+                raise refusal.renamed(
+                    f"{cut.message}; reattaching under its key was refused: {refusal.message}",
+                    reach=Reach.TAKEN,
+                ) from refusal
+        self._buffer.clear()
+        self._searched = 0
+        self._replayed = set(self.seen)
 
     async def _refused(self, head: h11.Response) -> None:
         """A non-200 answer is a whole document (a refusal); classify it as ``run`` would."""
@@ -204,7 +253,9 @@ class RowStream:
             if not line.strip():
                 self.heartbeats += 1
                 continue
-            return self._parse(line)
+            row = self._parse(line)
+            if row is not None:
+                return row
 
     async def _read_more(self) -> None:
         assert self._exchange is not None and self._head is not None and self._deadline
@@ -223,7 +274,11 @@ class RowStream:
                     self._buffer += data
                     return
                 what = "the stream ended without its done line"
-        raise await self._cut(what)
+        cut = await self._cut(what)
+        if cut.origin is not Origin.PROXY or self.reattaches >= settings.max_reattaches:
+            raise cut
+        with self._deadline.waiting():
+            await self._reattach(cut)
 
     async def _cut(self, what: str) -> RolloutError:
         assert self._head is not None
@@ -232,7 +287,8 @@ class RowStream:
             self._head.status_code,
         )
 
-    def _parse(self, line: bytes) -> Row:
+    def _parse(self, line: bytes) -> Row | None:
+        """The row ``line`` holds (``None`` for one read before a reattach)."""
         try:
             document = json.loads(line)
         except (ValueError, RecursionError) as exc:
@@ -244,6 +300,9 @@ class RowStream:
         index = document.get("index")
         if not _is_count(index) or not 0 <= index < len(self._examples):
             raise self._contract(f"a row with an index out of range: {line[:200]!r}")
+        if index in self._replayed:
+            self._replayed.discard(index)
+            return None
         if index in self.seen:
             raise self._contract(f"a second row for example {index}")
         self.seen.add(index)

@@ -1,0 +1,182 @@
+"""Reattach by ``Idempotency-Key`` on the host: on a virtual clock over in-memory streams, every
+time exact."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from tests.helpers import CountingRunner, exchange, read_reply, request_bytes
+from tests.streams import SocketLikeStream, socket_like_pair
+from trio_gym.config import ServeConfig
+from trio_gym.host import Host, handle_connection
+
+KEY = "chunk-7f3a"
+
+
+def batch(count: int = 2, *, meetings: int = 3, think_s: float = 100) -> dict[str, Any]:
+    return {
+        "examples": [{"seed": i, "meetings": meetings, "think_s": think_s} for i in range(count)]
+    }
+
+
+def keyed(body: dict[str, Any], key: str = KEY, *, rows: bool = False) -> bytes:
+    headers = [("Idempotency-Key", key)]
+    if rows:
+        headers.append(("Accept", "application/x-ndjson"))
+    return request_bytes(body, headers=headers)
+
+
+@asynccontextmanager
+async def keyed_host(runner: CountingRunner, **config: Any) -> AsyncIterator[Any]:
+    host = Host(ServeConfig(port=0, heartbeat_interval_s=15, **config), runner=runner)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(host.keyed.serve)  # what serve() runs among the host's services
+
+        def connect() -> SocketLikeStream:
+            client, server = socket_like_pair()
+            nursery.start_soon(handle_connection, host, server)
+            return client
+
+        yield host, connect
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_second_post_with_the_same_key_attaches_and_gets_the_answer_from_its_start(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    async with keyed_host(runner) as (host, connect), trio.open_nursery() as nursery:
+        first: list[Any] = []
+
+        async def first_caller() -> None:
+            first.append(await exchange(connect(), keyed(batch())))
+
+        nursery.start_soon(first_caller)
+        await trio.sleep(160)  # ten heartbeats in
+        start = trio.current_time()
+        second = await exchange(connect(), keyed(batch()))
+    assert first[0].status == second.status == 200 and second.complete
+    assert first[0].body == second.body  # heartbeats from the start, then the same document
+    assert second.pieces[0][0] == start  # the heartbeats it missed, at once
+    assert [r["seed"] for r in second.json()["results"]] == [0, 1]
+    assert len(runner.started) == 2 and len(runner.completed) == 2  # ran once
+    assert host.keyed.reattached_total == 1
+
+
+async def test_a_finished_answer_is_handed_out_again_until_its_retention_then_refused(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    async with keyed_host(runner, answer_retention_s=600) as (host, connect):
+        answered = await exchange(connect(), keyed(batch(think_s=1)))
+        await trio.sleep(599)
+        again = await exchange(connect(), keyed(batch(think_s=1)))
+        await trio.sleep(1)
+        expired = await exchange(connect(), keyed(batch(think_s=1)))
+    assert answered.body == again.body and again.complete
+    assert expired.status == 410 and expired.json()["error"]["code"] == "answer_expired"
+    assert KEY in expired.json()["error"]["message"]
+    assert len(runner.started) == 2  # never run again under the key
+
+
+async def test_finished_answers_beyond_the_bytes_kept_go_oldest_first(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    async with keyed_host(runner, answer_retention_bytes=1000) as (host, connect):
+        sizes = []
+        for key in ("k1", "k2", "k3"):
+            sizes.append(len((await exchange(connect(), keyed(batch(think_s=1), key))).body))
+        assert min(sizes) > 400 and sum(sizes[1:]) <= 1000 < sum(sizes)
+        oldest = await exchange(connect(), keyed(batch(think_s=1), "k1"))
+        newest = await exchange(connect(), keyed(batch(think_s=1), "k3"))
+    assert oldest.status == 410 and newest.status == 200
+    assert len(runner.started) == 6
+
+
+async def test_the_same_key_with_another_body_is_refused_naming_the_key(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    async with keyed_host(runner) as (host, connect), trio.open_nursery() as nursery:
+        nursery.start_soon(exchange, connect(), keyed(batch()))
+        await trio.sleep(10)
+        other = await exchange(connect(), keyed(batch(count=3)))
+        rows = await exchange(connect(), keyed(batch(), rows=True))  # another Accept
+        nursery.cancel_scope.cancel()
+    for refused in (other, rows):
+        assert refused.status == 422
+        error = refused.json()["error"]
+        assert error["code"] == "idempotency_key_reused" and repr(KEY) in error["message"]
+    assert len(runner.started) == 2
+
+
+async def test_an_abandoned_keyed_batch_runs_on_for_its_grace_and_a_returning_caller_gets_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    async with keyed_host(runner, reattach_grace_s=60) as (host, connect):
+        gone = connect()
+        await gone.send_all(keyed(batch(meetings=3, think_s=100), rows=True))
+        await runner.wait_for(lambda r: len(r.started) == 2)
+        await gone.aclose()
+        await trio.sleep(59)  # within the grace: nothing cancelled
+        assert not runner.cancelled
+        back = await exchange(connect(), keyed(batch(meetings=3, think_s=100), rows=True))
+    lines = [json.loads(line) for line in back.body.splitlines() if line.strip()]
+    assert sorted(line["index"] for line in lines if "index" in line) == [0, 1]
+    assert lines[-1] == {"done": True, "completed": 2, "failed": 0}
+    assert len(runner.completed) == 2 and not runner.cancelled
+
+
+async def test_a_keyed_batch_no_caller_comes_back_for_is_cancelled_at_its_grace(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    async with keyed_host(runner, reattach_grace_s=60) as (host, connect):
+        gone = connect()
+        await gone.send_all(keyed(batch(meetings=6, think_s=300)))
+        await runner.wait_for(lambda r: len(r.started) == 2)
+        await trio.sleep(100)
+        left_at = trio.current_time()
+        await gone.aclose()
+        await runner.wait_for(lambda r: len(r.cancelled) == 2)
+        cancelled_after = max(at for _, at in runner.cancelled) - left_at
+        late = await exchange(connect(), keyed(batch(meetings=6, think_s=300)))
+    # Noticed within a heartbeat interval (15 s), then the grace: never before the grace.
+    assert 60 <= cancelled_after <= 60 + 15
+    assert late.status == 410
+    assert "stopped before its answer ended" in late.json()["error"]["message"]
+    assert host.stats.batches_running == 0 and not runner.completed
+
+
+async def test_an_unkeyed_batch_is_still_cancelled_at_its_callers_disconnect(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    async with keyed_host(runner, reattach_grace_s=60) as (host, connect):
+        gone = connect()
+        await gone.send_all(request_bytes(batch(meetings=6, think_s=300)))
+        await runner.wait_for(lambda r: len(r.started) == 2)
+        left_at = trio.current_time()
+        await gone.aclose()
+        await runner.wait_for(lambda r: len(r.cancelled) == 2)
+    assert max(at for _, at in runner.cancelled) - left_at <= 15
+
+
+async def test_a_keyed_request_refused_before_it_runs_leaves_its_key_free(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    async with keyed_host(runner) as (host, connect):
+        refused = await exchange(connect(), keyed({"examples": "not a list"}))
+        stream = connect()
+        await stream.send_all(keyed(batch(think_s=1)))
+        answered = await read_reply(stream)
+    assert refused.status == 400 and refused.json()["error"]["code"] == "invalid_request"
+    assert answered.status == 200  # the key was not taken by the refusal (another body, too)
