@@ -7,9 +7,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from tests.fleet import Fleet, calendar, fleet, uninterrupted
+from trio_gym.trainer import CheckpointSettings, CheckpointUnavailable
 from trio_gym.trainer.scheduler import SchedulerSettings
 
 GROUPS = {
@@ -91,26 +93,45 @@ async def test_a_host_lost_before_any_checkpoint_has_its_work_run_afresh_on_the_
     assert on_replacement and all(r.attempt == 0 and ".g1" in r.rollout_id for r in on_replacement)
 
 
-async def test_a_checkpoint_while_a_lost_host_is_being_replaced_is_unavailable(
+async def test_a_checkpoint_waits_for_a_lost_hosts_heir_within_the_gate_timeout(
     autojump_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
-    async with fleet(replaceable=True, scheduler=QUICK) as f, trio.open_nursery() as nursery:
+    settings = CheckpointSettings(gate_timeout_s=10)
+    async with (
+        fleet(replaceable=True, scheduler=QUICK, checkpoint=settings) as f,
+        trio.open_nursery() as nursery,
+    ):
         slow = f.world.replace
 
         async def slow_replace(handle: Any) -> Any:
-            await trio.sleep(30)  # a sandbox platform takes its time
+            await trio.sleep(25)  # a sandbox platform takes its time
             return await slow(handle)
 
         f.world.replace = slow_replace  # type: ignore[method-assign]
         nursery.start_soon(run_all, f, GROUPS)
         await trio.sleep(3)
         f.kill("b")
-        await trio.sleep(5)  # ejected by now, its replacement still starting
-        failures = 0
-        try:
+        await trio.sleep(2)  # ejected by now, its replacement starting
+        asked = trio.current_time()
+        with pytest.raises(CheckpointUnavailable, match="gate_timeout_s: a replacement"):
             await f.coordinator.checkpoint(tmp_path / "c1")
-        except Exception as error:
-            failures += 1
-            assert "work is not yet on their heirs" in str(error)
-        assert failures == 1
+        assert trio.current_time() - asked == 10
+        await trio.sleep(5)
+        again = trio.current_time()
+        manifest = await f.coordinator.checkpoint(tmp_path / "c2")  # waits for b-r1
+        assert trio.current_time() - again < 10
+    assert "b-r1" in {host.instance for host in manifest.hosts}
     assert each_once(f)
+
+
+async def test_work_sent_to_a_host_already_dead_follows_it_to_its_replacement(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Nothing had noticed b die: its siblings' sends do not land, and while they wait out
+    their backoff b is replaced and their attempts move; the group follows them there."""
+    async with fleet(replaceable=True, scheduler=QUICK) as f:
+        f.kill("b")
+        await f.dispatcher.run_group("g", [calendar(i, think_s=1.0) for i in range(4)])
+    assert sorted(r.sibling for r in f.consumed) == [0, 1, 2, 3]
+    assert {r.host for r in f.consumed} == {"a", "b-r1"}
+    assert all(r.attempt == 0 and ".g" not in r.rollout_id for r in f.consumed)  # never lost

@@ -16,6 +16,7 @@ from trio_gym.protocol.control import Reply
 from trio_gym.trainer.control import (
     REPLY_GRACE_S,
     ControlError,
+    ControlTimeout,
     HostControl,
     ReplyMismatch,
     reply_as,
@@ -109,6 +110,8 @@ class EveryHost:
                 replies[host] = await call(host)
             except (ControlError, CheckpointUnavailable, CheckpointAborted) as error:
                 failures[host] = error
+                if isinstance(error, ControlTimeout):  # no answer: the scheduler probes it
+                    self.dispatcher.scheduler.suspect(host, f"a control call failed: {error}")
 
         async with trio.open_nursery() as nursery:
             for host in self.dispatcher.hosts:

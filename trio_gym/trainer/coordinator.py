@@ -105,6 +105,9 @@ class CheckpointCoordinator:
     async def checkpoint(self, directory: Path) -> CheckpointManifest:
         """Take one checkpoint into ``directory`` (created if needed); its manifest."""
         with self._one_at_a_time():
+            # A lost host's work reaches its heir first (its replacement may be starting).
+            with trio.move_on_after(self.settings.gate_timeout_s):
+                await self.dispatcher.scheduler.until_handed_on()
             async with self.dispatcher.host_changes:  # no lost host's recovery meanwhile
                 return await self._checkpoint(directory)
 
@@ -142,8 +145,8 @@ class CheckpointCoordinator:
         dispatcher, settings = self.dispatcher, self.settings
         if unsettled := dispatcher.scheduler.unsettled:
             raise CheckpointUnavailable(
-                f"hosts {unsettled} were lost and their work is not yet on their heirs "
-                "(a replacement is starting)",
+                f"hosts {unsettled} were lost and their work was not on their heirs within "
+                f"{self.settings.gate_timeout_s:g} s (gate_timeout_s: a replacement is starting)",
                 checkpoint_id,
             )
         with trio.move_on_after(settings.gate_timeout_s):

@@ -199,11 +199,9 @@ class Dispatcher:
                     f"group {group_id!r} has {len(group.siblings)} siblings in the ledger; "
                     f"{len(examples)} payloads were given"
                 )
-        used = sorted(
-            {s.current.host for s in group.siblings if s.current.state is not AttemptState.SEALED}
-        )
         finished = False
         try:
+            used = sorted(self._unsealed_hosts(group_id))
             await self._on_each_host(group_id, used, examples, _Budget())
             finished = True
         finally:  # cancelled or failed: the group is given up (cleanup under a bounded shield)
@@ -228,16 +226,17 @@ class Dispatcher:
             try:
                 while attempts := await self._waiting(group_id, host):
                     await self._send(host, attempts, examples, budget)
-                return
             except HostLost as lost:
                 if lost.heir is None:
                     raise GroupFailed(f"group {group_id!r}: {lost}no host is left") from lost
-                heir = lost.heir
             finally:
                 looping.discard(host)
-            loop_on(heir)
+            # Work may have moved to a heir meanwhile (this host was lost between sends).
+            for pending in self._unsealed_hosts(group_id):
+                loop_on(pending)
 
         def loop_on(host: str) -> None:
+            host = self.scheduler.heir_of(host) or host
             if host not in looping:
                 looping.add(host)
                 nursery.start_soon(host_loop, host)
@@ -245,9 +244,13 @@ class Dispatcher:
         try:
             async with trio.open_nursery() as nursery:
                 for host in hosts:
-                    loop_on(self.scheduler.heir_of(host) or host)
+                    loop_on(host)
         except ExceptionGroup as group:
             raise_unwrapped(group, alike=GroupFailed)
+
+    def _unsealed_hosts(self, group_id: str) -> set[str]:
+        siblings = self.ledger.groups[group_id].siblings
+        return {s.current.host for s in siblings if s.current.state is not AttemptState.SEALED}
 
     def _assign(self, siblings: int) -> list[str]:
         """Each sibling on the healthy host with the least unsealed work (every host in service

@@ -252,7 +252,9 @@ class Scheduler:
 
     def heir_of(self, name: str) -> str | None:
         """Where ``name``'s work goes now: itself while in service, else its heir's heir..."""
-        member: Member | None = self._known[name]
+        member: Member | None = self._known.get(name)
+        if member is None:
+            return name  # a host this scheduler never had (a restore's): its own
         while member is not None and member.ejected is not None:
             member = member.heir
         return None if member is None else member.name
@@ -313,6 +315,20 @@ class Scheduler:
             member.trouble.set()
             log_event("host_suspect", level=logging.WARNING, host=member.name, error=str(error))
             self._changed_now()
+
+    def suspect(self, name: str, why: str) -> None:
+        """Something other than a send found host ``name`` unresponsive (a checkpoint's
+        control call): it is probed like a host that failed a send."""
+        member = self._known.get(name)
+        if member is not None and member.ejected is None:
+            self.failed(
+                member, RolloutError(why, origin=Origin.PROXY, reach=Reach.REFUSED, suspect=True)
+            )
+
+    async def until_handed_on(self) -> None:
+        """Wait until every lost host's work is on its heir (no replacement is starting)."""
+        while self.unsettled:
+            await self._changed.wait()
 
     async def until_settled(self, member: Member) -> None:
         """Wait until ``member`` is healthy again, or lost and its work handed on (then
