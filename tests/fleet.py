@@ -97,10 +97,17 @@ class Fleet:
 
 def crash(f: Fleet) -> None:
     """The trainer process dies; its connections stay open at the hosts (as behind a proxy
-    that has not noticed), so the hosts keep running what it sent."""
+    that has not noticed), so the hosts keep running what it sent, and it opens no connection
+    again (no goodbye reaches a host) until :func:`restart`."""
+    f.world.severed = True
     for cuts in f.cuts.values():
         for cut in cuts:
             cut.set()
+
+
+def restart(f: Fleet) -> None:
+    """A new trainer process: it connects again."""
+    f.world.severed = False
 
 
 class World:
@@ -118,6 +125,8 @@ class World:
         self.opened: dict[str, list[float]] = {}
         self.lives: dict[str, trio.Nursery] = {}
         self.dead: set[str] = set()
+        self.severed = False
+        """The trainer is dead: nothing it does reaches a host."""
         self.replaced: list[tuple[str, str]] = []
 
     async def start(self, name: str, runner: Runner) -> None:
@@ -146,7 +155,7 @@ class World:
         async def open_stream(endpoint: Any) -> trio.abc.Stream:
             target = name or endpoint.host.removesuffix(".invalid")
             await trio.lowlevel.checkpoint()
-            if target in self.dead:
+            if target in self.dead or self.severed:
                 raise ConnectionRefusedError(111, "Connection refused")
             trainer_end, host_end = socket_like_pair()
             self.lives[target].start_soon(handle_connection, self.hosts[target], host_end)

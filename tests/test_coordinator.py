@@ -14,7 +14,7 @@ import attrs
 import pytest
 import trio
 
-from tests.fleet import calendar, crash, fleet, uninterrupted
+from tests.fleet import calendar, crash, fleet, restart, uninterrupted
 from tests.helpers import ScriptedRunner
 from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.control import ControlTimeout, HostControl
@@ -395,6 +395,7 @@ async def test_a_trainer_after_a_crash_never_reuses_the_ids_of_work_a_host_still
             await trio.sleep(1)
             crash(f)
             nursery.cancel_scope.cancel()
+        restart(f)
         # Restored, it sends "late" again, and crashes the same way; restored once more, it
         # sends "late" a third time while the hosts still run both earlier copies.
         consumed: list[Any] = []
@@ -412,6 +413,7 @@ async def test_a_trainer_after_a_crash_never_reuses_the_ids_of_work_a_host_still
                     await trio.sleep(1)
                     crash(f)
                     nursery.cancel_scope.cancel()
+                restart(f)
             consumed.clear()
         outcomes = consumed
     (late_attempt,) = dispatcher.ledger.groups["late"].siblings[0].attempts

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import trio
 
-from tests.fleet import calendar, crash, fleet, uninterrupted
+from tests.fleet import calendar, crash, fleet, restart, uninterrupted
 from trio_gym.runners import ExampleContext, ExampleRunner
 from trio_gym.trainer import ClientSettings, RolloutClient
 from trio_gym.trainer.coordinator import CheckpointCoordinator, CheckpointSettings
@@ -217,6 +217,7 @@ async def die_while_running(f: Any, group: list[dict[str, Any]]) -> None:
         await trio.sleep(1)
         crash(f)
         nursery.cancel_scope.cancel()
+    restart(f)
 
 
 async def test_a_fresh_trainer_after_a_crash_mints_ids_of_its_own(

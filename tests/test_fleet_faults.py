@@ -12,7 +12,6 @@ import uuid
 from collections import Counter
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import trio
 

@@ -296,7 +296,7 @@ async def test_unknown_path_404_and_wrong_method_405_with_allow() -> None:
         )
     assert missing.status == 404 and error_code(missing) == "not_found"
     assert wrong.status == 405 and error_code(wrong) == "method_not_allowed"
-    assert wrong.headers["allow"] == "POST, OPTIONS"
+    assert wrong.headers["allow"] == "POST, DELETE, OPTIONS"
     assert wrong_health.status == 405 and wrong_health.headers["allow"] == "GET, OPTIONS"
     assert head.status == 405 and head.body == b""  # HEAD: headers only, as a GET would have
     assert int(head.headers["content-length"]) > 0

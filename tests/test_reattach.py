@@ -14,6 +14,7 @@ from tests.helpers import CountingRunner, exchange, read_reply, request_bytes
 from tests.streams import SocketLikeStream, socket_like_pair
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
+from trio_gym.trainer import RolloutClient
 
 KEY = "chunk-7f3a"
 
@@ -180,3 +181,25 @@ async def test_a_keyed_request_refused_before_it_runs_leaves_its_key_free(
         answered = await read_reply(stream)
     assert refused.status == 400 and refused.json()["error"]["code"] == "invalid_request"
     assert answered.status == 200  # the key was not taken by the refusal (another body, too)
+
+
+async def test_a_client_that_gives_its_request_up_has_the_batch_cancelled_at_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The client sends every request under a key; cancelled, it says so (DELETE under the
+    key): the batch stops now, not after the grace kept for a caller that may come back."""
+    runner = CountingRunner()
+    async with keyed_host(runner, reattach_grace_s=600) as (host, connect):
+
+        async def opener(endpoint: object) -> trio.abc.Stream:
+            await trio.lowlevel.checkpoint()
+            return connect()
+
+        client = RolloutClient("http://host.invalid:8080", opener=opener)
+        with trio.move_on_after(50):
+            await client.run([{"seed": i, "meetings": 3, "think_s": 100} for i in range(2)])
+        given_up_at = trio.current_time()
+        await runner.wait_for(lambda r: len(r.cancelled) == 2)
+        cancelled_at = max(at for _, at in runner.cancelled)
+    assert cancelled_at - given_up_at < 1  # not 600 s later
+    assert not runner.completed

@@ -123,6 +123,8 @@ class KeyedBatch:
     refusal: WireError | None = None
     """Refused before its answer began (not kept: the same key may run once that passes)."""
     caller_changes: trio.Event = attrs.field(factory=trio.Event)
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    """Around its run: a caller's ``DELETE`` cancels it."""
 
     def callers_changed(self) -> None:
         self.caller_changes.set()
@@ -187,9 +189,19 @@ class KeyedBatches:
         self._nursery.start_soon(self._run, batch, run)
         return batch
 
+    def cancel(self, key: str) -> bool:
+        """Cancel the running batch under ``key`` now; whether there was one."""
+        batch = self._batches.get(key)
+        if batch is None or batch.log.ended:
+            return False
+        log_event("keyed_batch_cancelled", key=key)
+        batch.scope.cancel()
+        return True
+
     async def _run(self, batch: KeyedBatch, run: Runs) -> None:
         try:
-            await run(batch)
+            with batch.scope:
+                await run(batch)
         except WireError as refusal:  # before its answer began: not kept, the key is free
             batch.refusal = refusal
             del self._batches[batch.key]
@@ -199,7 +211,8 @@ class KeyedBatches:
             if not batch.log.ended and batch.refusal is None:  # cut off (abandoned, stopping)
                 batch.log.breaks()
                 del self._batches[batch.key]
-                self._expire(batch.key, "its batch was stopped before its answer ended")
+                why = "cancelled by its caller" if batch.scope.cancel_called else "stopped"
+                self._expire(batch.key, f"its batch was {why} before its answer ended")
         if batch.log.ended:
             batch.finished_at = trio.current_time()
             self._finished[batch.key] = batch

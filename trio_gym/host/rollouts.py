@@ -28,10 +28,11 @@ from trio_gym.http import (
     HttpConnection,
     encode_json,
     read_body,
+    send_json,
 )
 from trio_gym.logs import log_event
 from trio_gym.protocol.identity import EpisodeId
-from trio_gym.protocol.rollouts import FailureMode
+from trio_gym.protocol.rollouts import IDEMPOTENCY_KEY_HEADER, FailureMode
 from trio_gym.runners import Runner
 from trio_gym.runners.base import Delivery
 
@@ -215,6 +216,27 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
         await keyed.attach(found, conn, again=again)
     except ConnectionLost as exc:
         log_event("keyed_caller_left", key=key, why=str(exc))
+
+
+async def cancel_keyed(host: Host, conn: HttpConnection, head: h11.Request) -> None:
+    """``DELETE /rollouts/run`` with the ``Idempotency-Key`` of a batch: its caller gives it up
+    for good (a cancelled trainer), so it is cancelled now, not after the grace."""
+    key = idempotency_key(head)
+    if key is None:
+        raise WireError(
+            ErrorCode.INVALID_REQUEST,
+            f"DELETE /rollouts/run cancels the batch named by its {IDEMPOTENCY_KEY_HEADER} "
+            "header; send one",
+        )
+    await read_body(
+        conn,
+        head,
+        max_bytes=host.limits.max_head_bytes,
+        idle_timeout_s=host.limits.read_timeout_s,
+        min_rate=host.limits.min_body_rate,
+        advice="send no body",
+    )
+    await send_json(conn, 200, {"key": key, "cancelled": host.keyed.cancel(key)})
 
 
 async def run_batch(host: Host, caller: Caller, body: bytes, rows: bool) -> None:

@@ -30,7 +30,7 @@ from trio_gym.protocol.control import path
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER
 
 from .control import answer_operation, answer_status, control_paths
-from .rollouts import answer_rollouts
+from .rollouts import answer_rollouts, cancel_keyed
 from .state import Host
 
 Handler = Callable[[Host, HttpConnection, h11.Request], Awaitable[None]]
@@ -56,7 +56,11 @@ async def _answer_options(host: Host, conn: HttpConnection, head: h11.Request) -
 
 ROUTES: Final[dict[str, dict[bytes, Handler]]] = {
     "/health": {b"GET": _answer_health, b"OPTIONS": _answer_options},
-    "/rollouts/run": {b"POST": answer_rollouts, b"OPTIONS": _answer_options},
+    "/rollouts/run": {
+        b"POST": answer_rollouts,
+        b"DELETE": cancel_keyed,
+        b"OPTIONS": _answer_options,
+    },
     path("status"): {b"GET": answer_status},
     **{path: {b"POST": answer_operation} for path in control_paths()[1:]},
     "*": {b"OPTIONS": _answer_options},  # the server as a whole (RFC 9110 §9.3.7)

@@ -116,6 +116,8 @@ class ClientSettings:
     """``records``: a failed example's failure record comes back in its place (see above)."""
     cut_probe_timeout_s: float = 5.0
     """How long the ``GET /health`` that names a cut answer may take."""
+    give_up_timeout_s: float = 5.0
+    """How long the ``DELETE`` that cancels a given-up request's batch at once may take."""
     max_reattaches: int = 3
     """Times a request whose answer was cut while its host lives is sent again under its
     ``Idempotency-Key`` — attached to the batch the host still runs (or has kept), never run
@@ -178,9 +180,23 @@ class HostClient:
         """
         payload = self.encode_request(examples, row_offset=row_offset)
         key = new_idempotency_key()
+        try:
+            return await self._post_attached(payload, key, len(examples), on_heartbeat)
+        except trio.Cancelled:
+            await self.give_up(key)
+            raise
+
+    async def _post_attached(
+        self,
+        payload: bytes,
+        key: str,
+        expected: int,
+        on_heartbeat: Callable[[], None] | None,
+    ) -> list[Any]:
+        """The request under ``key``, reattached while its host lives and its answer is cut."""
         for attach in range(self.settings.max_reattaches + 1):
             try:
-                return await self._post_once(payload, key, len(examples), on_heartbeat)
+                return await self._post_once(payload, key, expected, on_heartbeat)
             except _Cut as cut:
                 error = await self.cut(cut.what, cut.status)
             except RolloutError as failure:
@@ -243,6 +259,27 @@ class HostClient:
                 response.status,
             )
         raise _deadline_passed(self.settings.request_deadline_s, self.endpoint, heard, self)
+
+    async def give_up(self, key: str) -> None:
+        """Tell the host the request under ``key`` is given up for good (``DELETE``): it
+        cancels the batch now, not after its reattach grace. Shielded, bounded by
+        ``give_up_timeout_s``; a host that does not answer cancels it after the grace."""
+        with trio.CancelScope(shield=True) as scope:
+            scope.deadline = trio.current_time() + self.settings.give_up_timeout_s
+            try:
+                await exchange(
+                    self.endpoint,
+                    "DELETE",
+                    "/rollouts/run",
+                    limits=self.limits,
+                    max_response_bytes=64 * 1024,
+                    idle_timeout_s=self.settings.give_up_timeout_s,
+                    headers=[(IDEMPOTENCY_KEY_HEADER, key), *self.headers],
+                    opener=self.opener,
+                    connect_timeout_s=self.settings.give_up_timeout_s,
+                )
+            except (NoResponse, BodyFailed) as exc:
+                log_event("give_up_unanswered", host=self.host.name, key=key, error=str(exc))
 
     def _results(self, status: int, body: bytes, expected: int) -> list[Any]:
         results = decode_response(status, body, page_reach=self.unanswered_reach())

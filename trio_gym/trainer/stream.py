@@ -135,10 +135,15 @@ class RowStream:
         return row
 
     async def aclose(self) -> None:
-        """Close the connection (the host cancels what it still runs). Idempotent."""
+        """Close the connection; a batch given up before its end is cancelled on the host at
+        once (``DELETE`` under its key). Idempotent."""
+        given_up = not self._finished and self._head is not None and self.summary is None
         self._finished = True
         if self._exchange is not None:
             await self._exchange.conn.aclose()
+            self._exchange = None
+        if given_up:
+            await self._client.give_up(self._key)
 
     async def start(self) -> None:
         """Send the request and wait for the answer's head (``async with`` calls it; a
