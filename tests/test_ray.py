@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from typing import Any
 import pytest
 import trio
 
+from tests.fleet import uninterrupted
 from tests.processes import kill_all, processes_with
 from trio_gym.fleet import HostSpec
 from trio_gym.trainer.host_client import ClientSettings
@@ -169,7 +171,9 @@ def test_a_failed_row_is_yielded_with_its_error_not_dropped(cluster: str, tmp_pa
     assert answered[0][1]["id"] == 0
     error = answered[1][1]
     assert isinstance(error, RolloutError) and error.code == "deadline_exceeded"
-    assert "chunk 2 failed on host local-0" in error.message
+    # Lost to the host's deadline on every attempt, then failed, naming the last cause.
+    assert "lost its row 3 times (max_losses=3)" in error.message
+    assert "outlived its deadline of 1 s" in error.message
     ray.get(actor.shutdown.remote())
     ray.kill(actor)
 
@@ -235,3 +239,45 @@ def test_a_killed_actor_takes_the_hosts_it_spread_over_the_cluster_with_it(
     while host_processes(cluster):
         assert time.monotonic() < deadline  # clock-ok: as above
         time.sleep(0.05)  # clock-ok: as above
+
+
+def test_the_actor_checkpoints_mid_flight_and_a_new_actor_restores_each_row_once(
+    cluster: str, tmp_path: Path
+) -> None:
+    """NeMo RL's actor plus checkpoint/restore: a cut taken while rows run; a new actor
+    restores it and yields exactly the rows the first had not yielded before the cut, the
+    parked episodes continuing where they were."""
+    rows = [{"seed": i, "meetings": 4, "think_s": 1.0} for i in range(6)]
+    config = {"hosts": 2, "caller": {"work_path": str(tmp_path)}}
+    first = remote_actor().remote()
+    ray.get(first.spinup.remote(config))
+    stream = first.run_rollouts.options(num_returns="streaming").remote(rows)
+    answered: list[Any] = []
+    consumer = threading.Thread(target=lambda: answered.extend(ray.get(ref) for ref in stream))
+    consumer.start()
+    time.sleep(2.5)  # clock-ok: driver code; every episode is in its third step
+    taken = ray.get(first.checkpoint.remote(str(tmp_path / "ckpt")))
+    consumer.join()
+    ray.get(first.shutdown.remote())
+    ray.kill(first)
+    assert taken["exported"] >= 1 and taken["calls"] == ["c0"]
+
+    second = remote_actor().remote()
+    ray.get(second.spinup.remote(config))
+    restored = ray.get(second.restore.remote(str(tmp_path / "ckpt")))
+    (call,) = restored["calls"]
+    assert call["call_id"] == "c0" and call["rows"] == rows
+    resumed = [
+        ray.get(ref)
+        for ref in second.run_rollouts.options(num_returns="streaming").remote(None, call_id="c0")
+    ]
+    ray.get(second.shutdown.remote())
+    ray.kill(second)
+    again = [index for index, _, _ in resumed]
+    assert sorted(call["delivered"] + again) == list(range(6))  # each row once across the cut
+    continued = [timing for _, _, timing in resumed if timing["attempt"] == 1]
+    assert len(continued) == restored["restored"] >= 1  # parked, then continued as attempt 1
+    for index, result, _ in resumed:  # side effects as one uninterrupted run's, once
+        expected = trio.run(uninterrupted, rows[index])
+        assert result["booked"] == expected["booked"] and result["seed"] == index
+    assert host_processes(cluster) == []

@@ -1,9 +1,10 @@
-"""An environment actor with NeMo RL's shape, over a pool of trio_gym hosts (``trio_gym[ray]``).
+"""An environment actor with NeMo RL's shape, over trio_gym hosts (``trio_gym[ray]``).
 
 NeMo RL talks to its environment through a Ray actor: ``spinup``, ``health_check``,
 ``run_rollouts(rows)`` — a streaming generator of ``(row index, result, timing)`` in completion
 order, consumed with ``num_returns="streaming"`` — and ``shutdown``. :class:`RolloutActor` is
-that actor; :func:`remote_actor` makes its Ray class::
+that actor, plus ``checkpoint(directory)`` and ``restore(directory)``; :func:`remote_actor`
+makes its Ray class::
 
     actor = remote_actor().remote()
     ray.get(actor.spinup.remote({"hosts": 4}))
@@ -11,8 +12,10 @@ that actor; :func:`remote_actor` makes its Ray class::
         index, result, timing = ray.get(ref)
 
 Inside, trio runs on a thread of its own (one *session*): the hosts (launched by a provider, or
-given by URL) and a :class:`~trio_gym.trainer.pool.HostPool` over them live in its nursery, and
-the actor's methods reach it with ``trio.from_thread``. Rules:
+given by URL) and a checkpointing :class:`~trio_gym.trainer.dispatch.Dispatcher` over them (the
+one scheduler: lost hosts replaced, their episodes recovered) live in its nursery, and the
+actor's methods reach it with ``trio.from_thread``. Each call's rows run as groups of
+``chunk_size`` (one request per group and host). Rules:
 
 - **Cancellation is ours.** Ray's cancel does not interrupt a running ``trio.run``; it sets a
   flag. ``run_rollouts`` checks the flag while it waits for the next row, and a cancelled (or
@@ -26,6 +29,13 @@ the actor's methods reach it with ``trio.from_thread``. Rules:
   as its result (it pickles whole): named, never dropped.
 - The methods other than ``run_rollouts`` must be able to run while it streams: the actor is a
   threaded one (``max_concurrency`` > 1).
+- **Checkpoints.** ``checkpoint(directory)`` takes one consistent cut of the hosts and of what
+  the actor has yielded (a row counts once it is yielded to the stream); the rows of the calls
+  in flight are saved with it (the ledger keeps no payloads: the actor's state does). A new
+  actor, spun up, ``restore(directory)``s it and gets those calls back; ``run_rollouts(rows,
+  call_id=...)`` with a call's id then yields the rows it had not yielded — the episodes the
+  checkpoint parked continue where they were, exactly once. Launched hosts get a control token
+  of the actor's own; hosts given by ``urls`` need ``control_token``.
 """
 
 from __future__ import annotations
@@ -33,8 +43,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
+import secrets
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from functools import partial
+from pathlib import Path
 from typing import Any, Final, Literal
 
 import attrs
@@ -48,10 +61,14 @@ from trio_gym.fleet.launch import HostSpec, Provider
 from trio_gym.fleet.local import LocalProvider
 from trio_gym.fleet.ray_hosts import RayProvider
 from trio_gym.logs import log_event
+from trio_gym.trainer.coordinator import CheckpointCoordinator, Restored
+from trio_gym.trainer.deadlines import DeadlineRegistry
+from trio_gym.trainer.dispatch import Dispatcher, GroupFailed, SealedResult
+from trio_gym.trainer.errors import Origin, Reach, RolloutError
 from trio_gym.trainer.host_client import ClientSettings
 from trio_gym.trainer.hosts import HostHandle, Launcher
-from trio_gym.trainer.pool import ChunkAnswered, HostPool
-from trio_gym.trainer.scheduler import SchedulerSettings
+from trio_gym.trainer.manifest import load_manifest
+from trio_gym.trainer.scheduler import RemoteHost, SchedulerSettings
 
 CANCEL_POLL_S: Final = 0.1
 """How often a waiting ``run_rollouts`` looks at Ray's cancellation flag."""
@@ -76,7 +93,7 @@ class ActorConfig(BaseModel):
         default=None, description="The caller config launched hosts start from."
     )
     control_token: str = Field(default="", json_schema_extra=SECRET)
-    chunk_size: int = Field(default=1, ge=1, description="Rows per request.")
+    chunk_size: int = Field(default=1, ge=1, description="Rows per group (per request).")
     per_host_in_flight: int = Field(default=8, ge=1)
     ready_timeout_s: float = Field(default=600.0, gt=0)
     request_deadline_s: float = Field(default=1800.0 + 120.0, gt=0)
@@ -93,6 +110,38 @@ class _Ended:
     why: BaseException
 
 
+Answered = tuple[int, Any, dict[str, Any]]
+
+
+@attrs.define(eq=False)
+class _Call:
+    """One ``run_rollouts`` call's rows, and what of them was yielded."""
+
+    call_id: str
+    rows: list[Any]
+    chunk_size: int
+    delivered: set[int] = attrs.field(factory=set)
+    started: float = 0.0
+    answered: queue.SimpleQueue[Answered | _Ended] = attrs.field(factory=queue.SimpleQueue)
+
+    def groups(self) -> dict[str, list[Any]]:
+        size = self.chunk_size
+        return {
+            f"{self.call_id}/{first // size}": self.rows[first : first + size]
+            for first in range(0, len(self.rows), size)
+        }
+
+    def index(self, group_id: str, sibling: int) -> int:
+        return int(group_id.rsplit("/", 1)[1]) * self.chunk_size + sibling
+
+    def saved(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "chunk_size": self.chunk_size,
+            "delivered": sorted(self.delivered),
+        }
+
+
 class Session:
     """trio on a thread of its own, holding the hosts and the pool; used from other threads."""
 
@@ -103,8 +152,13 @@ class Session:
         self._descriptor: dict[str, Any] = {}
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
-        self._pool: HostPool | None = None
+        self._dispatcher: Dispatcher | None = None
+        self._coordinator: CheckpointCoordinator | None = None
         self._rollouts: trio.Nursery | None = None
+        self._calls: dict[str, _Call] = {}
+        self._restored: dict[str, _Call] = {}
+        """Calls a restore brought back, until ``run_rollouts`` continues each."""
+        self._next_call = 0
         self._stopping = threading.Event()
         """Set by :meth:`stop` first: a session still starting ends as soon as it is up."""
         self._thread = threading.Thread(target=self._run, name="trio-gym-session", daemon=True)
@@ -132,48 +186,79 @@ class Session:
     def healthy(self) -> bool:
         if not self._thread.is_alive() or self._token is None:
             return False
-        assert self._pool is not None
-        pool = self._pool
+        assert self._dispatcher is not None
+        dispatcher = self._dispatcher
         try:
-            return bool(trio.from_thread.run_sync(lambda: pool.hosts, trio_token=self._token))
+            return bool(trio.from_thread.run_sync(lambda: dispatcher.hosts, trio_token=self._token))
         except trio.RunFinishedError:
             return False  # it ended meanwhile
 
     def rows_as_completed(
-        self, rows: Sequence[Mapping[str, Any]], cancelled: Callable[[], bool]
-    ) -> Iterator[tuple[int, Any, dict[str, Any]]]:
-        """Every row's ``(index, result, timing)`` as its chunk is answered; ``cancelled``
-        is asked while waiting (Ray's flag). Closing or cancelling this generator cuts the
-        rows still running."""
-        if not rows:
-            return
+        self,
+        rows: Sequence[Mapping[str, Any]] | None,
+        cancelled: Callable[[], bool],
+        call_id: str | None = None,
+    ) -> Iterator[Answered]:
+        """Every row's ``(index, result, timing)`` as it is sealed; ``cancelled`` is asked
+        while waiting (Ray's flag). With ``call_id`` (a restored call), the rows it had not
+        yielded. Closing or cancelling this generator gives the rows still running up."""
         token = self._running_token()
-        answered: queue.SimpleQueue[tuple[int, Any, dict[str, Any]] | _Ended] = queue.SimpleQueue()
         try:
-            scope = trio.from_thread.run_sync(self._begin, list(rows), answered, trio_token=token)
+            call, scope = trio.from_thread.run_sync(
+                self._begin, None if rows is None else list(rows), call_id, trio_token=token
+            )
         except trio.RunFinishedError:
             raise SessionFailed(
                 "the session has ended (shutdown, or a failure it logged)"
             ) from None
+        expected = len(call.rows) - len(call.delivered)
         delivered = 0
         try:
-            while delivered < len(rows):
+            while delivered < expected:
                 try:
-                    item = answered.get(timeout=CANCEL_POLL_S)
+                    item = call.answered.get(timeout=CANCEL_POLL_S)
                 except queue.Empty:
                     if cancelled():
                         return
                     continue
                 if isinstance(item, _Ended):
                     raise SessionFailed(
-                        f"the rollouts ended after {delivered} of {len(rows)} rows"
+                        f"the rollouts ended after {delivered} of {expected} rows"
                     ) from item.why
                 delivered += 1
                 yield item
         finally:
-            if delivered < len(rows):
+            if delivered < expected:
                 with contextlib.suppress(trio.RunFinishedError):
                     trio.from_thread.run_sync(scope.cancel, trio_token=token)
+
+    def checkpoint(self, directory: str) -> dict[str, Any]:
+        """Take a checkpoint into ``directory``: its id, the episodes exported, the calls in
+        flight. Raises the coordinator's :class:`CheckpointUnavailable` (try again later) or
+        :class:`CheckpointAborted`."""
+        coordinator = self._checkpointing()
+        manifest = trio.from_thread.run(
+            coordinator.checkpoint, Path(directory), trio_token=self._running_token()
+        )
+        return {
+            "checkpoint_id": manifest.checkpoint_id,
+            "exported": sum(len(host.episodes) for host in manifest.hosts),
+            "calls": sorted(manifest.trainer_state["calls"]),
+        }
+
+    def restore(self, directory: str) -> dict[str, Any]:
+        """Restore the checkpoint in ``directory`` into this fresh session; the calls it had in
+        flight (``call_id``, its rows, the indices already yielded before the checkpoint)."""
+        token = self._running_token()
+        restored = trio.from_thread.run(self._restore, Path(directory), trio_token=token)
+        return {
+            "checkpoint_id": restored.checkpoint_id,
+            "restored": len(restored.restored),
+            "calls": [
+                {"call_id": call.call_id, "rows": call.rows, "delivered": sorted(call.delivered)}
+                for call in self._restored.values()
+            ],
+        }
 
     def stop(self) -> None:
         """End the session: cancel every batch, stop the hosts, wait for the thread. A session
@@ -208,37 +293,57 @@ class Session:
             raise_unwrapped(group)
 
     async def _serve(self) -> None:
-        async with (
-            self._hosts() as (handles, launcher),
-            HostPool(
-                handles,
-                SchedulerSettings(per_host_in_flight=self.config.per_host_in_flight),
-                client_settings=ClientSettings(
-                    chunk_size=self.config.chunk_size,
-                    request_deadline_s=self.config.request_deadline_s,
-                ),
+        config = self.config
+        async with self._hosts() as (handles, launcher):
+            deadlines = DeadlineRegistry()
+            connect = partial(
+                RemoteHost.launched,
+                settings=ClientSettings(request_deadline_s=config.request_deadline_s),
+                deadlines=deadlines,
+            )
+            dispatcher = Dispatcher(
+                [connect(handle) for handle in handles],
+                self._sealed,
+                deadlines=deadlines,
+                scheduler=SchedulerSettings(per_host_in_flight=config.per_host_in_flight),
                 launcher=launcher,
-            ) as pool,
-            trio.open_nursery() as rollouts,
-        ):
-            self._pool, self._rollouts, self._stop = pool, rollouts, trio.Event()
-            self._descriptor = {"hosts": [{"name": h.name, "url": h.url} for h in handles]}
-            self._token = trio.lowlevel.current_trio_token()
-            self._started.set()
-            if not self._stopping.is_set():  # stop() sets it before it looks for the token
-                await self._stop.wait()
-            rollouts.cancel_scope.cancel()
+                connect=connect,
+            )
+            self._coordinator = CheckpointCoordinator(
+                dispatcher,
+                trainer_state=lambda: {  # restored calls not continued yet, and calls running
+                    "calls": {
+                        c.call_id: c.saved()
+                        for c in [*self._restored.values(), *self._calls.values()]
+                    }
+                },
+            )
+            async with dispatcher, trio.open_nursery() as rollouts:
+                self._dispatcher, self._rollouts, self._stop = dispatcher, rollouts, trio.Event()
+                self._descriptor = {"hosts": [{"name": h.name, "url": h.url} for h in handles]}
+                self._token = trio.lowlevel.current_trio_token()
+                self._started.set()
+                if not self._stopping.is_set():  # stop() sets it before it looks for the token
+                    await self._stop.wait()
+                rollouts.cancel_scope.cancel()
 
     @contextlib.asynccontextmanager
     async def _hosts(self) -> AsyncIterator[tuple[list[HostHandle], Launcher | None]]:
         config = self.config
+        token = config.control_token
         if config.urls:
-            yield [HostHandle(f"host-{i}", url) for i, url in enumerate(config.urls)], None
+            yield (
+                [
+                    HostHandle(f"host-{i}", url, control_token=token)
+                    for i, url in enumerate(config.urls)
+                ],
+                None,
+            )
             return
         environment = config.caller.bootstrap_environment() if config.caller else {}
         spec = HostSpec(
             environment,
-            control_token=config.control_token,
+            control_token=token or secrets.token_hex(16),  # launched hosts: a token of its own
             ready_timeout_s=config.ready_timeout_s,
         )
         provider: Provider = (
@@ -249,37 +354,107 @@ class Session:
         async with provider.hosts(config.hosts, spec) as handles:
             yield handles, provider
 
+    def _checkpointing(self) -> CheckpointCoordinator:
+        self._running_token()
+        assert self._coordinator is not None
+        if not self._descriptor or not all(
+            host.handle.control_token for host in self._coordinator.dispatcher.hosts.values()
+        ):
+            raise SessionFailed(
+                "checkpoints need the hosts' control plane: spin up with control_token for urls"
+            )
+        return self._coordinator
+
+    async def _restore(self, directory: Path) -> Restored:
+        assert self._coordinator is not None
+        if self._calls or self._next_call:
+            raise SessionFailed("restore into a session that has run nothing (spin up anew)")
+        dispatcher = self._coordinator.dispatcher
+        named = {host.instance for host in load_manifest(directory).hosts}
+        live = set(dispatcher.hosts)
+        successors = dict(zip(sorted(named - live), sorted(live - named), strict=False))
+        restored = await self._coordinator.restore(directory, successors=successors)
+        for call_id, saved in restored.trainer_state.get("calls", {}).items():
+            call = _Call(call_id, saved["rows"], saved["chunk_size"], set(saved["delivered"]))
+            self._restored[call_id] = call
+        return restored
+
     def _begin(
-        self,
-        rows: list[Mapping[str, Any]],
-        answered: queue.SimpleQueue[tuple[int, Any, dict[str, Any]] | _Ended],
-    ) -> trio.CancelScope:
-        """On the trio thread: start the batch in the session's nursery; its cancel scope."""
-        assert self._rollouts is not None and self._pool is not None and self._stop is not None
+        self, rows: list[Mapping[str, Any]] | None, call_id: str | None
+    ) -> tuple[_Call, trio.CancelScope]:
+        """On the trio thread: start the call's groups in the session's nursery; the call and
+        its cancel scope."""
+        assert self._rollouts is not None and self._stop is not None
         if self._stop.is_set():
             raise SessionFailed("the session is shutting down")
+        if call_id is not None:
+            call = self._restored.pop(call_id, None)
+            if call is None:
+                raise SessionFailed(f"no restored call {call_id!r} is waiting to continue")
+            if rows is not None and list(rows) != call.rows:
+                raise SessionFailed(f"call {call_id!r} was checkpointed with other rows")
+        else:
+            if not rows:
+                raise ValueError("run_rollouts needs at least one row")
+            call = _Call(f"c{self._next_call}", list(rows), self.config.chunk_size)
+            self._next_call += 1
+        call.started = trio.current_time()
+        self._calls[call.call_id] = call
         scope = trio.CancelScope()
-        self._rollouts.start_soon(self._feed, self._pool, rows, answered, scope)
-        return scope
+        self._rollouts.start_soon(self._feed, call, scope)
+        return call, scope
 
-    async def _feed(
-        self,
-        pool: HostPool,
-        rows: list[Mapping[str, Any]],
-        answered: queue.SimpleQueue[tuple[int, Any, dict[str, Any]] | _Ended],
-        scope: trio.CancelScope,
-    ) -> None:
-        def deliver(chunk: ChunkAnswered) -> None:
-            timing = {"host": chunk.host, "elapsed_s": chunk.elapsed_s, "rows": len(chunk.outcomes)}
-            for offset, outcome in enumerate(chunk.outcomes):
-                answered.put((chunk.first + offset, outcome, timing))
+    def _sealed(self, sealed: SealedResult) -> None:
+        """A row's outcome, in the ledger's mutation that seals it: yielded to its call."""
+        call = self._calls[sealed.group_id.rsplit("/", 1)[0]]
+        index = call.index(sealed.group_id, sealed.sibling)
+        outcome: Any = sealed.result
+        if sealed.error is not None:
+            outcome = RolloutError(
+                f"row {index}: {sealed.error.code}: {sealed.error.message}",
+                origin=Origin.SANDBOX,
+                reach=Reach.TAKEN,
+                code=sealed.error.code,
+            )
+        timing = {
+            "host": sealed.host,
+            "elapsed_s": trio.current_time() - call.started,
+            "attempt": sealed.attempt,
+        }
+        call.delivered.add(index)
+        call.answered.put((index, outcome, timing))
+
+    async def _feed(self, call: _Call, scope: trio.CancelScope) -> None:
+        assert self._dispatcher is not None
+        dispatcher = self._dispatcher
+
+        async def one(group_id: str, rows: list[Any]) -> None:
+            try:
+                await dispatcher.run_group(group_id, rows)
+            except GroupFailed as failure:  # its unsealed rows are yielded with why
+                first = call.index(group_id, 0)
+                cause = failure.cause
+                for index in range(first, first + len(rows)):
+                    if index not in call.delivered:
+                        call.delivered.add(index)
+                        error = RolloutError(
+                            str(failure),
+                            origin=cause.origin if cause else Origin.SANDBOX,
+                            reach=Reach.TAKEN,
+                            code=cause.code if cause else None,
+                        )
+                        call.answered.put((index, error, {"host": None, "elapsed_s": None}))
 
         with scope:
             try:
-                await pool.outcomes(rows, on_answer=deliver)
+                async with trio.open_nursery() as groups:
+                    for group_id, rows in call.groups().items():
+                        groups.start_soon(one, group_id, rows)
             except BaseException as exc:
-                answered.put(_Ended(exc))
+                call.answered.put(_Ended(exc))
                 raise
+            finally:
+                self._calls.pop(call.call_id, None)
 
 
 class RolloutActor:
@@ -312,13 +487,27 @@ class RolloutActor:
         return self._session is not None and self._session.healthy()
 
     def run_rollouts(
-        self, rows: Sequence[Mapping[str, Any]]
+        self, rows: Sequence[Mapping[str, Any]] | None, call_id: str | None = None
     ) -> Iterator[tuple[int, Any, dict[str, Any]]]:
         """``(row index, result, timing)`` per row, in completion order (a streaming generator:
-        ``.options(num_returns="streaming")``)."""
+        ``.options(num_returns="streaming")``). ``call_id``: continue a call ``restore``
+        brought back (its rows may be left out)."""
         if self._session is None:
             raise SessionFailed("call spinup first")
-        yield from self._session.rows_as_completed(rows, _ray_cancelled)
+        yield from self._session.rows_as_completed(rows, _ray_cancelled, call_id)
+
+    def checkpoint(self, directory: str) -> dict[str, Any]:
+        """A checkpoint of the hosts and of what was yielded (see the module docstring)."""
+        return self._started().checkpoint(directory)
+
+    def restore(self, directory: str) -> dict[str, Any]:
+        """Restore ``directory``'s checkpoint into this (fresh) actor; the calls to continue."""
+        return self._started().restore(directory)
+
+    def _started(self) -> Session:
+        if self._session is None:
+            raise SessionFailed("call spinup first")
+        return self._session
 
     def shutdown(self) -> None:
         if self._session is not None:

@@ -93,7 +93,12 @@ class SealedResult:
 
 
 class GroupFailed(Exception):
-    """A group that cannot finish: a sibling lost too often, or refused for good."""
+    """A group that cannot finish: a sibling lost too often, or refused for good; ``cause``
+    is the last failure of the request that ended it, when one did."""
+
+    def __init__(self, message: str, cause: RolloutError | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @attrs.frozen
@@ -224,7 +229,7 @@ class Dispatcher:
 
         async def host_loop(host: str) -> None:
             try:
-                while attempts := await self._waiting(group_id, host):
+                while attempts := await self._waiting(group_id, host, budget):
                     await self._send(host, attempts, examples, budget)
             except HostLost as lost:
                 if lost.heir is None:
@@ -266,7 +271,7 @@ class Dispatcher:
             assigned.append(host)
         return assigned
 
-    async def _waiting(self, group_id: str, host: str) -> list[Attempt]:
+    async def _waiting(self, group_id: str, host: str, budget: _Budget) -> list[Attempt]:
         """The group's attempts to send to ``host`` now; abandoned siblings get a fresh
         attempt (or fail the group when they have lost too often)."""
         async with self.ledger.mutation() as ledger:
@@ -278,10 +283,13 @@ class Dispatcher:
                 if attempt.state is AttemptState.ABANDONED:
                     losses = sum(a.state is AttemptState.ABANDONED for a in sibling.attempts)
                     if losses >= self.settings.max_losses:
+                        cause = budget.losses.get(attempt.capture_key)
                         raise GroupFailed(
                             f"group {group_id!r}: sibling {sibling.index} lost its row "
                             f"{losses} times (max_losses={self.settings.max_losses}); the last "
                             f"attempt was {attempt.capture_key} on {attempt.host}"
+                            + (f": {cause.message}" if cause else ""),
+                            cause,
                         )
                     attempt = ledger.retry(attempt.capture_key)
                 if attempt.state is AttemptState.RESERVED:
@@ -326,6 +334,7 @@ class Dispatcher:
                     lost_some = False
                 else:  # the host may have taken the batch: never re-sent under these ids
                     log_event("request_unanswered", host=host, error=str(failure))
+                    budget.losses.update(dict.fromkeys(keys, failure))
                     await self._lose(host, keys)
                     lost_some = True
             finally:
@@ -371,6 +380,8 @@ class Dispatcher:
                 stale |= await self._settle(keys[row.index], row, budget)
         except RolloutError as error:
             log_event("stream_cut", host=host, error=str(error), missing=len(rows.missing))
+            for index in rows.missing:
+                budget.losses[keys[index]] = error
             self.scheduler.failed(member, error)
             if rows.missing:
                 await self.scheduler.until_settled(member)
@@ -420,7 +431,7 @@ class Dispatcher:
             for key in keys:
                 ledger.move(key, AttemptState.RESERVED)  # no host holds them: nothing to retire
         if error.reach is Reach.REFUSED:
-            raise GroupFailed(f"the request was refused for what it is: {error}") from error
+            raise GroupFailed(f"the request was refused for what it is: {error}", error) from error
         for key in keys:
             budget.unreached(key, self.scheduler.settings.max_unreached_sends, error)
         log_event("request_unreached", keys=len(keys), error=str(error))
@@ -492,6 +503,8 @@ class _Budget:
 
     admission_refusals: dict[str, int] = attrs.field(factory=lambda: defaultdict(int))
     unreached_sends: dict[str, int] = attrs.field(factory=lambda: defaultdict(int))
+    losses: dict[str, RolloutError] = attrs.field(factory=dict)
+    """Capture key -> why its row never came (for the group's failure, if it ends it)."""
 
     def refused(self, key: str, limit: int) -> None:
         self.admission_refusals[key] += 1
@@ -506,5 +519,6 @@ class _Budget:
         if self.unreached_sends[key] > limit:
             raise GroupFailed(
                 f"{key} was not taken by its host in {self.unreached_sends[key]} sends "
-                f"(max_unreached_sends={limit}): {error}"
+                f"(max_unreached_sends={limit}): {error}",
+                error,
             ) from error

@@ -139,11 +139,13 @@ class RowStream:
         once (``DELETE`` under its key). Idempotent."""
         given_up = not self._finished and self._head is not None and self.summary is None
         self._finished = True
-        if self._exchange is not None:
-            await self._exchange.conn.aclose()
-            self._exchange = None
-        if given_up:
-            await self._client.give_up(self._key)
+        exchange, self._exchange = self._exchange, None
+        try:
+            if exchange is not None:
+                await exchange.conn.aclose()
+        finally:  # a cancelled close (a cancelled consumer) still says goodbye
+            if given_up:
+                await self._client.give_up(self._key)
 
     async def start(self) -> None:
         """Send the request and wait for the answer's head (``async with`` calls it; a
