@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import uuid
 from typing import Any
 
 import pytest
 import trio
 
 from tests.helpers import read_reply, request_bytes, tcp_exchange
-from tests.processes import LogReader, serve_process
+from tests.processes import LogReader, processes_with, serve_process
 
 HANG_GUARD_S = 60
 
@@ -131,3 +133,26 @@ async def test_install_of_an_explicitly_named_missing_package_fails() -> None:
         )
     assert result.returncode == 1
     assert b"/no/such/env is not a directory" in result.stderr
+
+
+async def test_the_fleet_demo_loses_a_host_mid_run_and_consumes_every_episode_once() -> None:
+    """``trio-gym demo --fleet``: four host processes, a checkpoint, a host SIGKILLed and
+    replaced; the summary's counts prove exactly-once, and no host process is left."""
+    token = uuid.uuid4().hex
+    done = await trio.run_process(
+        [sys.executable, "-m", "trio_gym", "demo", "--fleet", "--examples", "16"],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+        env={**os.environ, "TRIO_GYM_FLEET_DEMO_TEST": token},
+    )
+    left = processes_with("TRIO_GYM_FLEET_DEMO_TEST", token)
+    out, err = done.stdout.decode(), done.stderr.decode()
+    assert done.returncode == 0, out + err
+    assert "every episode exactly once: yes" in out
+    assert "consumed twice              0" in out and "never consumed              0" in out
+    assert "side effects as one run     16 of 16" in out
+    restored = int(out.split("continued from checkpoint")[1].split()[0])
+    assert restored >= 1  # the killed host's parked episodes went on on its replacement
+    assert "SIGKILL local-" in err and "took its place" in err
+    assert left == []

@@ -28,6 +28,7 @@ from trio_gym.config import (
     read_config_file,
 )
 from trio_gym.demo import run_demo
+from trio_gym.demo_fleet import run_fleet_demo
 from trio_gym.errors import leaves
 from trio_gym.fleet.launch import HostSpec
 from trio_gym.fleet.spread import Launch, batch_runner
@@ -177,6 +178,12 @@ def _parser() -> argparse.ArgumentParser:
         "through the trainer client with progress on stderr, and print a summary.",
     )
     demo_cmd.add_argument("--examples", type=int, default=24, help="how many episodes (24)")
+    demo_cmd.add_argument(
+        "--fleet",
+        action="store_true",
+        help="four host processes, a checkpoint mid-flight, one host killed and replaced: "
+        "every episode consumed exactly once",
+    )
     demo_cmd.add_argument("--verbose", action="store_true", help="also print the JSON logs")
     return parser
 
@@ -348,11 +355,12 @@ def _launched_host_spec(host_config: Path | None) -> HostSpec:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    logs.configure(level=logging.INFO if args.verbose else logging.WARNING)
+    quiet = logging.ERROR if args.fleet else logging.WARNING  # the fleet's losses are the show
+    logs.configure(level=logging.INFO if args.verbose else quiet)
     if args.examples < 1:
         print("trio-gym demo: --examples must be at least 1", file=sys.stderr)
         return 2
-    return trio.run(run_demo, args.examples)
+    return trio.run(run_fleet_demo if args.fleet else run_demo, args.examples)
 
 
 if __name__ == "__main__":

@@ -325,6 +325,13 @@ class Scheduler:
                 member, RolloutError(why, origin=Origin.PROXY, reach=Reach.REFUSED, suspect=True)
             )
 
+    async def until_lost(self, name: str) -> str | None:
+        """Wait until host ``name`` is lost and its work handed on; its heir."""
+        member = self._known[name]
+        while not member.settled:
+            await self._changed.wait()
+        return member.heir.name if member.heir else None
+
     async def until_handed_on(self) -> None:
         """Wait until every lost host's work is on its heir (no replacement is starting)."""
         while self.unsettled:
