@@ -37,7 +37,7 @@ MUTATIONS = [
     Mutation(
         "close-delimited framing: stream heartbeats to HTTP/1.0 callers as the seed's host did",
         "trio_gym/host/rollouts.py",
-        'if conn.their_http_version == b"1.1":',
+        'if caller.http_version == b"1.1":',
         "if True:",
         (
             "tests/test_proxy_regression.py::test_a_long_batch_arrives_whole_through_the_framing_proxy",
@@ -104,7 +104,7 @@ MUTATIONS = [
     Mutation(
         "no caller watcher (only heartbeats notice a departure)",
         "trio_gym/host/supervision.py",
-        "    nursery.start_soon(_watch_caller, conn, body, heartbeat)\n",
+        "    nursery.start_soon(caller.until_gone, body, heartbeat)\n",
         "",
         ("tests/test_host_wire.py::test_a_caller_that_leaves_mid_batch_cancels_every_example",),
     ),
@@ -227,40 +227,28 @@ MUTATIONS = [
         ("tests/test_client.py::test_a_body_that_dies_after_the_headers_is_sent_exactly_once",),
     ),
     Mutation(
-        "a connection that never landed is not retried",
-        "trio_gym/trainer/client.py",
-        '        if self.settings.http_version == "1.1" or isinstance(failure, ConnectFailed):\n'
-        "            return Reach.UNREACHED",
+        "a connection that never landed counted as taken (over HTTP/1.0, and for a row stream)",
+        "trio_gym/trainer/host_client.py",
+        "        if isinstance(failure, ConnectFailed):\n            return Reach.UNREACHED",
         "        if False:\n            return Reach.UNREACHED",
-        ("tests/test_client.py::test_a_connection_that_never_landed_is_retried_with_backoff",),
+        (
+            "tests/test_client.py::test_over_http_10_only_a_connection_that_never_opened_is_unreached",
+        ),
     ),
     Mutation(
-        "backoff slept while holding a concurrency slot",
-        "trio_gym/trainer/client.py",
-        "                    answers[index] = results\n"
-        "                    self.progress.chunk_finished(index, results)\n"
-        "                    return\n"
-        '            # The host\'s own "not now" is not retried here: it has no other host to go to,\n'
-        "            # and says when it will be ready (a pool sends such a chunk elsewhere).\n"
-        "            unreached = failure.reach is Reach.UNREACHED and failure.origin is not Origin.SANDBOX\n"
-        "            if not unreached or attempt == attempts:\n"
-        "                break\n"
-        '            log_event("chunk_retrying", chunk=index, attempt=attempt, error=str(failure))\n'
-        "            await trio.sleep(self.settings.backoff_s * attempt)",
-        "                    answers[index] = results\n"
-        "                    self.progress.chunk_finished(index, results)\n"
-        "                    return\n"
-        "                unreached = failure.reach is Reach.UNREACHED and failure.origin is not Origin.SANDBOX\n"
-        "                if not unreached or attempt == attempts:\n"
-        "                    break\n"
-        "                await trio.sleep(self.settings.backoff_s * attempt)",
-        ("tests/test_client.py::test_backoff_is_slept_outside_the_concurrency_limit",),
+        "a re-send waits behind new chunks instead of first in line (#24)",
+        "trio_gym/trainer/pool.py",
+        "async with self.scheduler.slot(first=send > 1) as member:",
+        "async with self.scheduler.slot(first=False) as member:",
+        (
+            "tests/test_client.py::test_a_failed_host_is_probed_before_more_and_the_resend_goes_first",
+        ),
     ),
     Mutation(
         "one more request in flight than max_in_flight",
-        "trio_gym/trainer/client.py",
-        "limiter = trio.CapacityLimiter(self.settings.max_in_flight)",
-        "limiter = trio.CapacityLimiter(self.settings.max_in_flight + 1)",
+        "trio_gym/trainer/scheduler.py",
+        "        return member.in_flight < self.settings.per_host_in_flight",
+        "        return member.in_flight <= self.settings.per_host_in_flight",
         ("tests/test_client.py::test_peak_concurrency_is_exactly_max_in_flight",),
     ),
     Mutation(
@@ -272,25 +260,31 @@ MUTATIONS = [
     ),
     Mutation(
         "a bug in the trainer disguised as a rollout failure",
-        "trio_gym/trainer/client.py",
-        "            raise_unwrapped(group)",
-        '            raise RolloutError("?", origin=Origin.SANDBOX, retryable=False) from None',
+        "trio_gym/trainer/pool.py",
+        "            raise_unwrapped(group)  # a bug in one chunk's task, as itself",
+        '            raise RolloutError("?", origin=Origin.SANDBOX, reach=Reach.TAKEN) from None',
         ("tests/test_client.py::test_a_bug_in_this_process_propagates_as_itself",),
+        also=(
+            (
+                "trio_gym/trainer/pool.py",
+                "from trio_gym.trainer.errors import Reach, RolloutError",
+                "from trio_gym.trainer.errors import Origin, Reach, RolloutError",
+            ),
+        ),
     ),
     Mutation(
         "the number of results is not checked",
-        "trio_gym/trainer/client.py",
+        "trio_gym/trainer/host_client.py",
         "        if len(results) != expected:",
         "        if False:",
         ("tests/test_client.py::test_each_answer_is_named_and_taken_or_not_by_one_rule",),
     ),
     Mutation(
         "no client-side request deadline",
-        "trio_gym/trainer/client.py",
+        "trio_gym/trainer/host_client.py",
         "        with RequestDeadline(self.deadlines, self.settings.request_deadline_s).waiting():",
         "        with RequestDeadline(self.deadlines, math.inf).waiting():",
         ("tests/test_client.py::test_the_client_deadline_bounds_a_host_that_heartbeats_forever",),
-        also=(("trio_gym/trainer/client.py", "import attrs\n", "import math\n\nimport attrs\n"),),
     ),
     Mutation(
         "the client uploads first and reads after (an early 413 dies with the upload)",
@@ -305,8 +299,8 @@ MUTATIONS = [
     Mutation(
         "no minimum body rate (a trickled body holds a slot for hours)",
         "trio_gym/host/rollouts.py",
-        "        min_rate=host.limits.min_body_rate,\n",
-        "",
+        "        min_rate=host.limits.min_body_rate,\n        advice=TOO_LARGE_ADVICE,\n",
+        "        advice=TOO_LARGE_ADVICE,\n",
         (
             "tests/test_host_clock.py::test_a_trickled_body_gets_408_once_it_falls_below_the_minimum_rate",
         ),
@@ -973,17 +967,10 @@ MUTATIONS = [
     Mutation(
         "an attempt marked DISPATCHED before it waits at the gate",
         "trio_gym/trainer/dispatch.py",
-        "        async with self.gate.admission():\n"
-        "            async with self.ledger.mutation() as ledger:\n"
-        "                for key in keys:\n"
-        "                    ledger.dispatch(key, host)\n",
-        "        async with self.ledger.mutation() as ledger:\n"
-        "            for key in keys:\n"
-        "                ledger.dispatch(key, host)\n"
-        "        async with self.gate.admission():\n",
+        "        async with self.gate.admission():\n            async with self.ledger.mutation() as ledger:\n                for key in keys:\n                    ledger.dispatch(key, member.name)\n",
+        "        async with self.ledger.mutation() as ledger:\n            for key in keys:\n                ledger.dispatch(key, member.name)\n        async with self.gate.admission():\n",
         (
-            "tests/test_dispatch.py::"
-            "test_an_attempt_waiting_at_the_closed_gate_is_not_marked_dispatched",
+            "tests/test_dispatch.py::test_an_attempt_waiting_at_the_closed_gate_is_not_marked_dispatched",
         ),
     ),
     Mutation(
@@ -1189,12 +1176,10 @@ MUTATIONS = [
     Mutation(
         "a stale row left DISPATCHED until its stream ends",
         "trio_gym/trainer/dispatch.py",
-        "                self._queue_retire(ledger.move(key, AttemptState.ABANDONED))\n"
-        '                log_event("attempt_stale"',
+        '                self.queue_retire(ledger.move(key, AttemptState.ABANDONED))\n                log_event("attempt_stale"',
         '                log_event("attempt_stale"',
         (
-            "tests/test_dispatch.py::"
-            "test_a_stale_row_is_settled_at_once_so_a_checkpoint_does_not_wait_for_it",
+            "tests/test_dispatch.py::test_a_stale_row_is_settled_at_once_so_a_checkpoint_does_not_wait_for_it",
         ),
     ),
     Mutation(
@@ -1215,20 +1200,12 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "a request too large to send counted as a loss",
+        "a request too large to send re-sent until its budget ends instead of failing at once",
         "trio_gym/trainer/dispatch.py",
-        "        if error.origin is Origin.CLIENT:\n            raise GroupFailed",
+        "        if error.reach is Reach.REFUSED:\n            raise GroupFailed",
         "        if False:\n            raise GroupFailed",
         (
-            "tests/test_dispatch.py::"
-            "test_a_request_too_large_to_send_fails_its_group_at_once_naming_the_cause",
-        ),
-        also=(
-            (
-                "trio_gym/trainer/dispatch.py",
-                "    unsent = error.origin is Origin.CLIENT or isinstance(",
-                "    unsent = isinstance(",
-            ),
+            "tests/test_dispatch.py::test_a_request_too_large_to_send_fails_its_group_at_once_naming_the_cause",
         ),
     ),
     Mutation(
@@ -1275,13 +1252,12 @@ MUTATIONS = [
         ("tests/test_dispatch.py::test_an_identity_a_host_still_runs_is_a_loss_not_a_result",),
     ),
     Mutation(
-        "a request whose head never came re-sent under the same id",
-        "trio_gym/trainer/dispatch.py",
-        "    return refused_by_host or unsent",
-        "    return True",
+        "a row stream whose head never came re-sent under the same id",
+        "trio_gym/trainer/host_client.py",
+        '        return Reach.UNREACHED if self.settings.http_version == "1.1" and not rows else Reach.TAKEN',
+        '        return Reach.UNREACHED if self.settings.http_version == "1.1" else Reach.TAKEN',
         (
-            "tests/test_dispatch.py::"
-            "test_a_request_whose_answer_never_came_is_not_resent_under_the_same_id",
+            "tests/test_dispatch.py::test_a_request_whose_answer_never_came_is_not_resent_under_the_same_id",
         ),
     ),
     Mutation(
@@ -1620,9 +1596,9 @@ MUTATIONS = [
     ),
     Mutation(
         "chunks first sent in whatever order trio starts their tasks (README trial)",
-        "trio_gym/trainer/client.py",
-        "                    await nursery.start(self._run_chunk,",
-        "                    nursery.start_soon(self._run_chunk,",
+        "trio_gym/trainer/pool.py",
+        "                    await nursery.start(self._run_chunk, batch, index)",
+        "                    nursery.start_soon(self._run_chunk, batch, index)",
         ("tests/test_client.py::test_chunks_are_first_sent_in_input_order",),
     ),
     Mutation(
@@ -1637,8 +1613,8 @@ MUTATIONS = [
     Mutation(
         "the pool re-sends a chunk its host had taken (#16)",
         "trio_gym/trainer/pool.py",
-        "        if error.reach is Reach.UNREACHED:",
-        "        if error.reach is not Reach.REFUSED:",
+        "            if error.reach is not Reach.UNREACHED:",
+        "            if error.reach is Reach.REFUSED:",
         (
             "tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",
         ),
@@ -1652,36 +1628,37 @@ MUTATIONS = [
     ),
     Mutation(
         "a suspect host keeps taking chunks before its probe (#16)",
-        "trio_gym/trainer/pool.py",
-        "        while not (member.suspect or member.ejected):",
-        "        while not member.ejected:",
+        "trio_gym/trainer/scheduler.py",
+        "        free = [m for m in self._places if m.healthy and self._free(m)]",
+        "        free = [m for m in self._places if m.ejected is None and self._free(m)]",
         (
             "tests/test_pool.py::test_a_host_that_stalls_mid_batch_is_ejected_and_the_rest_carry_the_batch",
+            "tests/test_reach.py::test_a_cut_answer_fails_its_chunk_once_and_its_host_is_probed_before_more_work",
         ),
     ),
     Mutation(
         "a host whose process is gone is probed like a slow one (#16)",
-        "trio_gym/trainer/pool.py",
-        "            if self.launcher is not None and not await self.launcher.alive(member.handle):",
+        "trio_gym/trainer/scheduler.py",
+        "            if self.launcher is not None and not await self.launcher.alive(member.host.handle):",
         "            if False:",
         (
             "tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",
         ),
     ),
     Mutation(
-        "the first host's workers take every chunk of a small batch (#16)",
-        "trio_gym/trainer/pool.py",
-        "            other.in_flight < member.in_flight\n",
-        "            False\n",
+        "the first host takes every chunk of a small batch (#16)",
+        "trio_gym/trainer/scheduler.py",
+        "        return min(free, key=lambda m: m.in_flight, default=None)",
+        "        return free[0] if free else None",
         (
             "tests/test_opensandbox.py::test_hosts_run_in_sandboxes_and_are_killed_when_the_block_ends",
         ),
     ),
     Mutation(
         "chunks queued when the last host goes wait forever (#16)",
-        "trio_gym/trainer/pool.py",
-        "            self._fail_everything_waiting(self._no_host_left())",
-        "            pass",
+        "trio_gym/trainer/scheduler.py",
+        "                if member is None and self._places_left == 0:",
+        "                if False:",
         (
             "tests/test_pool.py::test_when_every_host_is_gone_the_queued_chunks_fail_naming_each_end",
         ),
@@ -1723,9 +1700,9 @@ MUTATIONS = [
     ),
     Mutation(
         "a dead answer does not make its host suspect (#16)",
-        "trio_gym/trainer/pool.py",
-        "        if error.suspect:\n            self._suspect(member, error)",
-        "        if error.suspect and error.reach is Reach.UNREACHED:\n            self._suspect(member, error)",
+        "trio_gym/trainer/scheduler.py",
+        "        if not error.suspect:\n            return",
+        "        if not error.suspect or error.reach is not Reach.UNREACHED:\n            return",
         (
             "tests/test_pool.py::test_a_host_that_stalls_mid_batch_is_ejected_and_the_rest_carry_the_batch",
         ),
@@ -1956,8 +1933,8 @@ MUTATIONS = [
         also=(
             (
                 "trio_gym/host/rollouts.py",
-                "    if body is None:\n        await send_body(",
-                "    deliver(deliveries)\n    if body is None:\n        await send_body(",
+                "    if body is None:\n        await caller.send_whole(",
+                "    deliver(deliveries)\n    if body is None:\n        await caller.send_whole(",
             ),
         ),
     ),
@@ -1974,13 +1951,12 @@ MUTATIONS = [
     ),
     Mutation(
         "every chunk numbered from 0 (chunks of one input share capture keys) (#22)",
-        "trio_gym/trainer/client.py",
-        "                        row_offset=index * self.settings.chunk_size,",
-        "                        row_offset=0,",
+        "trio_gym/trainer/pool.py",
+        "row_offset=index * batch.size,",
+        "row_offset=0,",
         (
             "tests/test_records.py::test_chunks_of_one_input_are_numbered_by_their_place_in_it_on_every_host",
         ),
-        also=(("trio_gym/trainer/pool.py", "row_offset=index * batch.size,", "row_offset=0,"),),
     ),
     Mutation(
         "the host ignores the request's row_offset (#22)",
@@ -2218,8 +2194,8 @@ MUTATIONS = [
     Mutation(
         "an unreached chunk failed by the pool instead of sent to another host (#23)",
         "trio_gym/trainer/pool.py",
-        "        if error.reach is Reach.UNREACHED:",
-        "        if False:",
+        "            if error.reach is not Reach.UNREACHED:",
+        "            if True:",
         (
             "tests/test_reach.py::test_a_gateway_that_cannot_reach_a_host_costs_no_chunk_and_the_host_is_ejected",
             "tests/test_reach.py::test_a_stranger_at_a_hosts_address_is_refused_and_ejected_and_the_chunk_goes_on",
@@ -2256,7 +2232,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a stranger at a host's address waits out max_host_failures (#23)",
-        "trio_gym/trainer/pool.py",
+        "trio_gym/trainer/scheduler.py",
         "            if health.status is HealthStatus.WRONG_HOST:",
         "            if False:",
         (
@@ -2378,9 +2354,9 @@ MUTATIONS = [
     ),
     Mutation(
         "a probe that hears busy counts a failure (a full host ejected) (#23)",
-        "trio_gym/trainer/pool.py",
-        "            if health.status is HealthStatus.BUSY:",
-        "            if False:",
+        "trio_gym/trainer/scheduler.py",
+        "            if health.status is not HealthStatus.BUSY:  # busy is alive and full: not a failure",
+        "            if True:",
         (
             "tests/test_reach.py::test_a_busy_host_is_probed_not_sent_the_same_chunk_again_and_not_ejected",
         ),
@@ -2394,7 +2370,7 @@ MUTATIONS = [
     ),
     Mutation(
         "over HTTP/1.0 a proxy's page re-sent (a batch it hid runs twice) (#23)",
-        "trio_gym/trainer/client.py",
+        "trio_gym/trainer/host_client.py",
         "        results = decode_response(status, body, page_reach=self.unanswered_reach())",
         "        results = decode_response(status, body)",
         (
@@ -2410,7 +2386,7 @@ MUTATIONS = [
     ),
     Mutation(
         "no head timeout: a stalled host holds a chunk to the request deadline (#24)",
-        "trio_gym/trainer/client.py",
+        "trio_gym/trainer/host_client.py",
         "                    head_timeout_s=self.head_timeout_s,",
         "                    head_timeout_s=math.inf,",
         (
@@ -2434,7 +2410,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a head timeout over HTTP/1.0 (whose host answers only at the end) (#24)",
-        "trio_gym/trainer/client.py",
+        "trio_gym/trainer/host_client.py",
         '        return self.settings.head_timeout_s if self.settings.http_version == "1.1" else math.inf',
         "        return self.settings.head_timeout_s",
         (
@@ -2470,11 +2446,254 @@ MUTATIONS = [
     ),
     Mutation(
         "a dispatcher's host built from a handle sends no identity with its batches (#24)",
-        "trio_gym/trainer/dispatch.py",
+        "trio_gym/trainer/scheduler.py",
         "            identity=handle.identity, opener=opener,",
         "            opener=opener,",
         (
             "tests/test_reach.py::test_a_dispatchers_host_carries_its_identity_on_rollouts_and_control_calls",
+        ),
+    ),
+    Mutation(
+        "a lost host's checkpointed episodes run afresh instead of restored on its heir (#24)",
+        "trio_gym/trainer/recovery.py",
+        "    if heir is not None and keys and last is not None and export is not None:",
+        "    if False:",
+        (
+            "tests/test_recovery.py::test_a_host_lost_between_checkpoints_is_replaced_and_its_episodes_continue_there",
+            "tests/test_fleet_faults.py::test_four_hosts_two_killed_checkpoints_every_second_each_episode_once",
+            "tests/test_cli.py::test_the_fleet_demo_loses_a_host_mid_run_and_consumes_every_episode_once",
+        ),
+    ),
+    Mutation(
+        "a lost host's running attempts handed to its heir as if still dispatched (#24)",
+        "trio_gym/trainer/recovery.py",
+        "            if attempt.host == lost:\n                ledger.move(attempt.capture_key, AttemptState.ABANDONED)",
+        "            if False:\n                ledger.move(attempt.capture_key, AttemptState.ABANDONED)",
+        (
+            "tests/test_recovery.py::test_a_host_lost_before_any_checkpoint_has_its_work_run_afresh_on_the_replacement",
+        ),
+    ),
+    Mutation(
+        "a lost host's work left on it, not moved to its heir (#24)",
+        "trio_gym/trainer/recovery.py",
+        "        if heir is not None:\n            ledger.rehost(lost, heir.name)",
+        "        if False:\n            ledger.rehost(lost, heir.name)",
+        (
+            "tests/test_recovery.py::test_a_host_lost_between_checkpoints_is_replaced_and_its_episodes_continue_there",
+            "tests/test_recovery.py::test_without_a_launcher_the_least_loaded_host_left_inherits_the_lost_ones_work",
+        ),
+    ),
+    Mutation(
+        "a group whose work moved to an heir between sends ends without it (#24)",
+        "trio_gym/trainer/dispatch.py",
+        "            for pending in self._unsealed_hosts(group_id):\n                loop_on(pending)",
+        "            pass",
+        (
+            "tests/test_recovery.py::test_work_sent_to_a_host_already_dead_follows_it_to_its_replacement",
+        ),
+    ),
+    Mutation(
+        "a checkpoint does not wait for a lost host's heir (#24)",
+        "trio_gym/trainer/coordinator.py",
+        "                await self.dispatcher.scheduler.until_handed_on()",
+        "                await trio.lowlevel.checkpoint()",
+        (
+            "tests/test_recovery.py::test_a_checkpoint_waits_for_a_lost_hosts_heir_within_the_gate_timeout",
+        ),
+    ),
+    Mutation(
+        "a host a checkpoint cannot reach is not probed (#24)",
+        "trio_gym/trainer/checkpointing.py",
+        '                    self.dispatcher.scheduler.suspect(host, f"a control call failed: {error}")',
+        "                    pass",
+        (
+            "tests/test_recovery.py::test_a_host_a_checkpoint_cannot_reach_is_probed_ejected_and_replaced",
+        ),
+    ),
+    Mutation(
+        "the host runs a keyed request again instead of attaching it (#24)",
+        "trio_gym/host/rollouts.py",
+        "    if key is None or not keyed.running:",
+        "    if True:",
+        (
+            "tests/test_reattach.py::test_a_second_post_with_the_same_key_attaches_and_gets_the_answer_from_its_start",
+            "tests/test_reattach_real.py::test_a_document_cut_cleanly_by_a_proxy_comes_back_whole_through_reattach",
+            "tests/test_dispatch.py::test_a_stream_cut_while_its_host_lives_reattaches_and_no_row_is_lost",
+        ),
+    ),
+    Mutation(
+        "the same key with another body attaches to the first (#24)",
+        "trio_gym/host/reattach.py",
+        "    hasher = hashlib.sha256(body)",
+        "    hasher = hashlib.sha256()",
+        ("tests/test_reattach.py::test_the_same_key_with_another_body_is_refused_naming_the_key",),
+    ),
+    Mutation(
+        "a keyed batch is cancelled at its caller's disconnect, no grace (#24)",
+        "trio_gym/host/reattach.py",
+        "            with trio.move_on_after(self.grace_s):",
+        "            with trio.move_on_after(0):",
+        (
+            "tests/test_reattach.py::test_an_abandoned_keyed_batch_runs_on_for_its_grace_and_a_returning_caller_gets_it",
+        ),
+    ),
+    Mutation(
+        "a keyed batch no caller comes back for runs on forever (#24)",
+        "trio_gym/host/reattach.py",
+        '            if not batch.callers:\n                log_event("keyed_batch_abandoned"',
+        '            if False:\n                log_event("keyed_batch_abandoned"',
+        (
+            "tests/test_reattach.py::test_a_keyed_batch_no_caller_comes_back_for_is_cancelled_at_its_grace",
+        ),
+    ),
+    Mutation(
+        "finished answers kept past their retention (#24)",
+        "trio_gym/host/reattach.py",
+        "            if not (age >= self.retention_s or kept > self.retention_bytes):",
+        "            if not (False or kept > self.retention_bytes):",
+        (
+            "tests/test_reattach.py::test_a_finished_answer_is_handed_out_again_until_its_retention_then_refused",
+        ),
+    ),
+    Mutation(
+        "finished answers kept beyond the bytes bound (#24)",
+        "trio_gym/host/reattach.py",
+        "            if not (age >= self.retention_s or kept > self.retention_bytes):",
+        "            if not (age >= self.retention_s or False):",
+        ("tests/test_reattach.py::test_finished_answers_beyond_the_bytes_kept_go_oldest_first",),
+    ),
+    Mutation(
+        "a key whose answer was dropped runs its batch again (#24)",
+        "trio_gym/host/reattach.py",
+        "            if key in self._expired:",
+        "            if False:",
+        (
+            "tests/test_reattach.py::test_a_finished_answer_is_handed_out_again_until_its_retention_then_refused",
+            "tests/test_reattach.py::test_a_keyed_batch_no_caller_comes_back_for_is_cancelled_at_its_grace",
+        ),
+    ),
+    Mutation(
+        "a keyed request refused before it ran keeps its key (#24)",
+        "trio_gym/host/reattach.py",
+        "        batch.refusal = refusal\n        del self._batches[batch.key]\n",
+        "        batch.refusal = refusal\n",
+        (
+            "tests/test_reattach.py::test_a_keyed_request_refused_before_it_runs_leaves_its_key_free",
+        ),
+    ),
+    Mutation(
+        "the client fails a cut answer without reattaching while its host lives (#24)",
+        "trio_gym/trainer/host_client.py",
+        "            if error.origin is not Origin.PROXY or attach == self.settings.max_reattaches:",
+        "            if True:",
+        (
+            "tests/test_reattach_real.py::test_a_document_cut_cleanly_by_a_proxy_comes_back_whole_through_reattach",
+        ),
+    ),
+    Mutation(
+        "a row stream fails its cut without reattaching while its host lives (#24)",
+        "trio_gym/trainer/stream.py",
+        "        if cut.origin is not Origin.PROXY or self.reattaches >= settings.max_reattaches:",
+        "        if True:",
+        (
+            "tests/test_reattach_real.py::test_a_row_stream_cut_cleanly_by_a_proxy_goes_on_from_where_it_was",
+            "tests/test_dispatch.py::test_a_stream_cut_while_its_host_lives_reattaches_and_no_row_is_lost",
+        ),
+    ),
+    Mutation(
+        "a reattached row stream reads its rows again as new (#24)",
+        "trio_gym/trainer/stream.py",
+        "        if index in self._replayed:\n            self._replayed.discard(index)\n            return None\n",
+        "",
+        (
+            "tests/test_reattach_real.py::test_a_row_stream_cut_cleanly_by_a_proxy_goes_on_from_where_it_was",
+        ),
+    ),
+    Mutation(
+        "a cancelled request leaves its keyed batch running for the grace (#24)",
+        "trio_gym/trainer/host_client.py",
+        "            await self.give_up(key)\n            raise",
+        "            raise",
+        (
+            "tests/test_reattach.py::test_a_client_that_gives_its_request_up_has_the_batch_cancelled_at_once",
+        ),
+    ),
+    Mutation(
+        "a row stream closed before its end leaves its keyed batch running (#24)",
+        "trio_gym/trainer/stream.py",
+        "            if given_up:\n                await self._client.give_up(self._key)",
+        "            pass",
+        ("tests/test_ray.py::test_cancelling_the_consumer_cancels_every_running_example",),
+    ),
+    Mutation(
+        "the Ray actor's checkpoint saves no calls in flight (#24)",
+        "trio_gym/fleet/ray_actor.py",
+        "                        for c in [*self._restored.values(), *self._calls.values()]\n",
+        "                        for c in [*self._restored.values(), *self._calls.values()]\n"
+        "                        if False\n",
+        (
+            "tests/test_ray.py::test_the_actor_checkpoints_mid_flight_and_a_new_actor_restores_each_row_once",
+        ),
+    ),
+    Mutation(
+        "a request whose head never came re-sent though its host did not confirm dropping it (#24 review)",
+        "trio_gym/trainer/host_client.py",
+        "        if await self.give_up(key):\n            return error",
+        "        if True:\n            return error",
+        (
+            "tests/test_client.py::test_a_request_whose_head_never_came_is_taken_unless_its_host_confirms_dropping_it",
+        ),
+    ),
+    Mutation(
+        "a request whose head never came re-sent without giving the first up (#24 review)",
+        "trio_gym/trainer/host_client.py",
+        "                raise await self._unless_dropped(error, key) from headless",
+        "                raise error from headless",
+        (
+            "tests/test_reattach.py::test_a_request_whose_head_never_came_is_dropped_on_the_host_before_it_goes_again",
+        ),
+    ),
+    Mutation(
+        "a lost host's requests in flight left running while its work moves (#24 review)",
+        "trio_gym/trainer/dispatch.py",
+        "            stream.cancel()",
+        "            pass",
+        (
+            "tests/test_recovery.py::test_a_host_ejected_while_it_lives_has_its_streams_cut_and_runs_nothing_twice",
+        ),
+    ),
+    Mutation(
+        "a bug in a keyed batch escapes into the host's services (#24 review)",
+        "trio_gym/host/reattach.py",
+        "        except Exception:  # the boundary handle_connection is for an unkeyed batch",
+        "        except ZeroDivisionError:",
+        ("tests/test_reattach.py::test_a_bug_in_a_keyed_batch_is_a_500_and_the_host_lives",),
+    ),
+    Mutation(
+        "an answer a cut caller is coming back for dropped over the bytes bound (#24 review)",
+        "trio_gym/host/reattach.py",
+        "            if batch.callers or age < min(self.grace_s, self.retention_s):",
+        "            if batch.callers:",
+        (
+            "tests/test_reattach.py::test_an_answer_whose_caller_may_come_back_is_kept_over_the_bytes_bound",
+        ),
+    ),
+    Mutation(
+        "a DELETE that finds nothing leaves the key free for a late POST (#24 review)",
+        "trio_gym/host/reattach.py",
+        '            if key not in self._expired:\n                self._expire(key, "its caller gave it up (DELETE) before it arrived")',
+        '            if False:\n                self._expire(key, "its caller gave it up (DELETE) before it arrived")',
+        (
+            "tests/test_reattach.py::test_a_request_given_up_before_it_arrives_is_refused_when_it_does",
+        ),
+    ),
+    Mutation(
+        "a new Ray call after a restore takes a restored call's id (#24 review)",
+        "trio_gym/fleet/ray_actor.py",
+        '            call_id = f"{self._prefix}-c{self._next_call}"',
+        '            call_id = f"c{self._next_call}"',
+        (
+            "tests/test_ray.py::test_the_actor_checkpoints_mid_flight_and_a_new_actor_restores_each_row_once",
         ),
     ),
 ]

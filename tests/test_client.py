@@ -146,6 +146,8 @@ HTML_502 = (
 
 
 HEALTH_READY = json_response(200, b'{"status": "ready"}')
+DROPPED = respond(json_response(200, b'{"key": "k", "cancelled": true}'))
+"""The host's answer to the DELETE a client sends for a request whose head never came."""
 HEALTH_STARTING = json_response(503, b'{"status": "starting", "stage": "installing"}')
 HEARTBEATS_ONLY = chunked_response(b" ", b" ", b" ")
 DIED = chunked_response(b" ", b" ", b'{"results": [', end=False)
@@ -267,7 +269,7 @@ async def test_run_sends_again_only_what_was_not_taken_once_the_host_is_ready(
 
 async def test_no_response_headers_is_proxy_and_retried() -> None:
     async with trio.open_nursery() as nursery:
-        canned = CannedHost(nursery, [hang_up, respond(HEALTH_READY)] * 4)
+        canned = CannedHost(nursery, [hang_up, DROPPED, respond(HEALTH_READY)] * 4)
         client = RolloutClient(URL, ClientSettings(backoff_s=0, max_attempts=4), opener=canned.open)
         with pytest.raises(RolloutError) as failure:
             await client.run([{"seed": 1}])
@@ -458,7 +460,7 @@ async def test_a_413_decided_while_the_client_still_uploads_is_read_as_a_client_
 
 async def test_a_client_deadline_before_any_head_is_retried(autojump_clock: trio.abc.Clock) -> None:
     async with trio.open_nursery() as nursery:
-        canned = CannedHost(nursery, [stall, respond(HEALTH_READY)] * 3)
+        canned = CannedHost(nursery, [stall, DROPPED, respond(HEALTH_READY)] * 3)
         settings = ClientSettings(request_deadline_s=10, backoff_s=0)
         client = RolloutClient(URL, settings, opener=canned.open)
         with pytest.raises(RolloutError) as failure:
@@ -572,7 +574,7 @@ async def test_a_host_that_never_answers_its_head_is_given_up_on_at_the_head_tim
     """A stalled host (SIGSTOP, a wedged proxy) holds no chunk to the request deadline: once
     the request is sent, its head has head_timeout_s; no head over HTTP/1.1 is unreached."""
     async with trio.open_nursery() as nursery:
-        canned = CannedHost(nursery, [stall, respond(HEALTH_READY)] * 2)
+        canned = CannedHost(nursery, [stall, DROPPED, respond(HEALTH_READY)] * 2)
         settings = ClientSettings(head_timeout_s=10, max_attempts=2, backoff_s=0)
         client = RolloutClient(URL, settings, opener=canned.open)
         start = trio.current_time()
@@ -644,3 +646,19 @@ async def test_a_connection_that_never_opens_is_given_up_on_at_the_connect_timeo
     assert trio.current_time() - start == 5 + 5 + 1 + 5
     assert (failure.value.origin, failure.value.reach) == (Origin.PROXY, Reach.UNREACHED)
     assert "could not connect to sandbox.invalid:8080 within 5 s" in failure.value.message
+
+
+async def test_a_request_whose_head_never_came_is_taken_unless_its_host_confirms_dropping_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A host keeps a keyed batch for its caller's return: with no head back and no answer to
+    the DELETE that gives it up, the host may still run it, so it is not sent again."""
+    async with trio.open_nursery() as nursery:
+        canned = CannedHost(nursery, [stall])  # the POST, then the DELETE: both unanswered
+        settings = ClientSettings(head_timeout_s=10, give_up_timeout_s=2)
+        with pytest.raises(RolloutError) as failure:
+            await RolloutClient(URL, settings, opener=canned.open).run([{"seed": 1}])
+        nursery.cancel_scope.cancel()
+    assert failure.value.reach is Reach.TAKEN
+    assert "did not confirm it dropped the request" in failure.value.message
+    assert len([body for body in canned.requests if body]) == 1  # one POST, never re-sent

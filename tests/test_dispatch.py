@@ -343,7 +343,9 @@ async def test_a_request_too_large_to_send_fails_its_group_at_once_naming_the_ca
     autojump_clock: trio.abc.Clock,
 ) -> None:
     async with fleet(("a",), client=ClientSettings(max_request_bytes=100)) as f:
+        start = trio.current_time()
         with pytest.raises(GroupFailed, match="lower the chunk size"):
             await f.dispatcher.run_group("g", [calendar(1), calendar(2)])
+        assert trio.current_time() == start  # at once: no re-send could ever fit
     assert f.opened["a"] == []  # nothing was sent, and nothing is retired or re-sent
     assert f.dispatcher.to_retire["a"] == set()

@@ -4,17 +4,25 @@ time exact."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
 
 import trio
 
-from tests.helpers import CountingRunner, exchange, read_reply, request_bytes
+from tests.helpers import (
+    CountingRunner,
+    exchange,
+    read_reply,
+    request_bytes,
+    running_host,
+    tcp_exchange,
+)
 from tests.streams import SocketLikeStream, socket_like_pair
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
-from trio_gym.trainer import RolloutClient
+from trio_gym.runners import ExampleRunner
+from trio_gym.trainer import ClientSettings, RolloutClient
 
 KEY = "chunk-7f3a"
 
@@ -89,10 +97,12 @@ async def test_finished_answers_beyond_the_bytes_kept_go_oldest_first(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     runner = CountingRunner()
-    async with keyed_host(runner, answer_retention_bytes=1000) as (host, connect):
+    settings = {"answer_retention_bytes": 1000, "reattach_grace_s": 5}
+    async with keyed_host(runner, **settings) as (host, connect):
         sizes = []
         for key in ("k1", "k2", "k3"):
             sizes.append(len((await exchange(connect(), keyed(batch(think_s=1), key))).body))
+            await trio.sleep(5)  # past the grace: no caller may be coming back for it
         assert min(sizes) > 400 and sum(sizes[1:]) <= 1000 < sum(sizes)
         oldest = await exchange(connect(), keyed(batch(think_s=1), "k1"))
         newest = await exchange(connect(), keyed(batch(think_s=1), "k3"))
@@ -203,3 +213,105 @@ async def test_a_client_that_gives_its_request_up_has_the_batch_cancelled_at_onc
         cancelled_at = max(at for _, at in runner.cancelled)
     assert cancelled_at - given_up_at < 1  # not 600 s later
     assert not runner.completed
+
+
+async def test_an_answer_whose_caller_may_come_back_is_kept_over_the_bytes_bound(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Found in review: an older answer being sent to a slow reader stays; the bound must not
+    then drop the answer that just finished while its cut caller is coming back for it."""
+    runner = CountingRunner()
+    async with keyed_host(runner, answer_retention_bytes=700) as (host, connect):
+        first = await exchange(connect(), keyed(batch(think_s=1), "k1"))
+        assert first.status == 200 and 400 < len(first.body) < 700
+        slow_client, slow_server = socket_like_pair(capacity=0)  # reads nothing: k1 is pinned
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(handle_connection, host, slow_server)
+            await slow_client.send_all(keyed(batch(think_s=1), "k1"))
+            cut = connect()
+            await cut.send_all(keyed(batch(think_s=10, meetings=1), "k2"))
+            await trio.sleep(1)
+            await cut.aclose()  # k2's caller is cut while k2 runs
+            await trio.sleep(30)  # k2 finished meanwhile, within the grace (60 s)
+            back = await exchange(connect(), keyed(batch(think_s=10, meetings=1), "k2"))
+            nursery.cancel_scope.cancel()
+    assert back.status == 200 and back.complete
+    assert len(runner.completed) == 4  # k1's two and k2's two, once each
+
+
+async def test_a_request_given_up_before_it_arrives_is_refused_when_it_does(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A DELETE that finds nothing under its key remembers it: the POST still on its way (a
+    proxy held it) is refused, never run."""
+    runner = CountingRunner()
+    async with keyed_host(runner) as (host, connect):
+        gone = await exchange(
+            connect(), request_bytes(method="DELETE", headers=[("Idempotency-Key", KEY)])
+        )
+        late = await exchange(connect(), keyed(batch(think_s=1)))
+    assert gone.status == 200 and gone.json() == {"key": KEY, "cancelled": False}
+    assert late.status == 410 and "gave it up" in late.json()["error"]["message"]
+    assert not runner.started
+
+
+class HeadSwallowing(trio.abc.Stream):
+    """The request goes through; nothing comes back (a proxy that holds the answer)."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_request_whose_head_never_came_is_dropped_on_the_host_before_it_goes_again(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Found in review: the host keeps a keyed batch for its caller's return, so a request
+    with no head back is sent again only once the host confirms (DELETE) it dropped the first;
+    each example then runs to its end once."""
+    runner = CountingRunner()
+    async with keyed_host(runner, reattach_grace_s=60) as (host, connect):
+        opened = 0
+
+        async def opener(endpoint: object) -> trio.abc.Stream:
+            nonlocal opened
+            await trio.lowlevel.checkpoint()
+            opened += 1
+            return HeadSwallowing(connect()) if opened == 1 else connect()
+
+        settings = ClientSettings(head_timeout_s=5)
+        client = RolloutClient("http://host.invalid:8080", settings, opener=opener)
+        results = await client.run([{"seed": i, "meetings": 2, "think_s": 5} for i in range(2)])
+        await trio.sleep(120)
+    assert len(results) == 2
+    assert len(runner.completed) == 2 and len(runner.cancelled) == 2  # the first copy, dropped
+
+
+async def test_a_bug_in_a_keyed_batch_is_a_500_and_the_host_lives() -> None:
+    """Found in review: keyed batches run outside their connection; the host's boundary for a
+    bug must hold for them too (real sockets, real clock)."""
+    async with running_host(runner=BuggyRunner()) as (host, port):
+        with trio.fail_after(10):
+            reply = await tcp_exchange(port, keyed({"examples": [{"bug": True}]}, "k-bug"))
+        health = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
+    assert reply.status == 500 and reply.json()["error"]["code"] == "internal"
+    assert health.status == 200
+
+
+class BuggyRunner(ExampleRunner):
+    def check_example(self, example: Mapping[str, Any]) -> None:
+        if example.get("bug"):
+            raise TypeError("a bug in user code")
+        super().check_example(example)

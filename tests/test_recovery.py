@@ -135,3 +135,38 @@ async def test_work_sent_to_a_host_already_dead_follows_it_to_its_replacement(
     assert sorted(r.sibling for r in f.consumed) == [0, 1, 2, 3]
     assert {r.host for r in f.consumed} == {"a", "b-r1"}
     assert all(r.attempt == 0 and ".g" not in r.rollout_id for r in f.consumed)  # never lost
+
+
+async def test_a_host_a_checkpoint_cannot_reach_is_probed_ejected_and_replaced(
+    autojump_clock: trio.abc.Clock, tmp_path: Path
+) -> None:
+    """No send goes to b when it dies, but the checkpoint's control call finds it: the
+    scheduler probes it, finds it gone and replaces it; the next checkpoint has its heir."""
+    async with fleet(replaceable=True, scheduler=QUICK) as f:
+        f.kill("b")
+        with pytest.raises(CheckpointUnavailable, match="b: status"):
+            await f.coordinator.checkpoint(tmp_path / "c1")
+        with trio.fail_after(60):
+            assert await f.dispatcher.scheduler.until_lost("b") == "b-r1"
+        manifest = await f.coordinator.checkpoint(tmp_path / "c2")
+    assert {host.instance for host in manifest.hosts} == {"a", "b-r1"}
+
+
+async def test_a_host_ejected_while_it_lives_has_its_streams_cut_and_runs_nothing_twice(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Found in review: b is ejected (two control calls it did not answer, then a probe) while
+    it lives and streams; its requests are cut and given up before its work moves to its
+    heir, so no row of a moved attempt is sealed and each episode runs once."""
+    async with fleet(("a", "b", "c"), scheduler=QUICK) as f:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                f.dispatcher.run_group, "g", [calendar(i, think_s=2.0) for i in range(3)]
+            )
+            await trio.sleep(1)  # every sibling mid-episode, one per host
+            f.dispatcher.scheduler.suspect("b", "a control call failed: timeout")
+            f.dispatcher.scheduler.suspect("b", "a control call failed: timeout")
+    assert Counter(r.sibling for r in f.consumed) == Counter({0: 1, 1: 1, 2: 1})
+    completed = {name: len(runner.completed) for name, runner in f.runners.items()}
+    assert sum(completed.values()) == 3 and completed["b"] == 0, completed
+    assert f.runners["b"].cancelled  # its copy was stopped, not left to run

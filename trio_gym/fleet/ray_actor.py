@@ -71,6 +71,8 @@ from trio_gym.trainer.manifest import load_manifest
 from trio_gym.trainer.scheduler import RemoteHost, SchedulerSettings
 
 CANCEL_POLL_S: Final = 0.1
+SAVED_ERROR: Final = "_trio_gym_row_error"
+"""A row's error as a checkpoint saves it (the key marks it as not a result)."""
 """How often a waiting ``run_rollouts`` looks at Ray's cancellation flag."""
 
 
@@ -115,14 +117,32 @@ Answered = tuple[int, Any, dict[str, Any]]
 
 @attrs.define(eq=False)
 class _Call:
-    """One ``run_rollouts`` call's rows, and what of them was yielded."""
+    """One ``run_rollouts`` call's rows: those yielded (``delivered``, by the generator's
+    thread) and those with an outcome not yielded yet (``ready``, by the trio thread's
+    sealing; both kept under ``lock``, since a checkpoint saves them together)."""
 
     call_id: str
     rows: list[Any]
     chunk_size: int
     delivered: set[int] = attrs.field(factory=set)
+    ready: dict[int, Answered] = attrs.field(factory=dict)
     started: float = 0.0
     answered: queue.SimpleQueue[Answered | _Ended] = attrs.field(factory=queue.SimpleQueue)
+    lock: threading.Lock = attrs.field(factory=threading.Lock)
+
+    def answer(self, item: Answered) -> None:
+        with self.lock:
+            self.ready[item[0]] = item
+        self.answered.put(item)
+
+    def yielded(self, index: int) -> None:
+        with self.lock:
+            self.ready.pop(index, None)
+            self.delivered.add(index)
+
+    def answered_or_delivered(self, index: int) -> bool:
+        with self.lock:
+            return index in self.ready or index in self.delivered
 
     def groups(self) -> dict[str, list[Any]]:
         size = self.chunk_size
@@ -135,11 +155,50 @@ class _Call:
         return int(group_id.rsplit("/", 1)[1]) * self.chunk_size + sibling
 
     def saved(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the call: a row whose outcome is in but not yet yielded
+        is saved with it, and yielded first by the call's continuation."""
+        with self.lock:
+            return {
+                "rows": self.rows,
+                "chunk_size": self.chunk_size,
+                "delivered": sorted(self.delivered),
+                "ready": [[i, _saved_outcome(o), t] for i, o, t in self.ready.values()],
+            }
+
+    @classmethod
+    def restored(cls, call_id: str, saved: Mapping[str, Any]) -> _Call:
+        call = cls(call_id, saved["rows"], saved["chunk_size"], set(saved["delivered"]))
+        for index, outcome, timing in saved["ready"]:
+            call.answer((index, _outcome_of(outcome), timing))
+        return call
+
+    def groups_to_run(self) -> dict[str, list[Any]]:
+        """The groups with a row that has no outcome yet."""
         return {
-            "rows": self.rows,
-            "chunk_size": self.chunk_size,
-            "delivered": sorted(self.delivered),
+            group_id: rows
+            for group_id, rows in self.groups().items()
+            if any(
+                not self.answered_or_delivered(self.index(group_id, 0) + i)
+                for i in range(len(rows))
+            )
         }
+
+
+def _saved_outcome(outcome: Any) -> Any:
+    if isinstance(outcome, RolloutError):
+        return {SAVED_ERROR: outcome.message, "origin": outcome.origin.value, "code": outcome.code}
+    return outcome
+
+
+def _outcome_of(saved: Any) -> Any:
+    if isinstance(saved, dict) and SAVED_ERROR in saved:
+        return RolloutError(
+            saved[SAVED_ERROR],
+            origin=Origin(saved["origin"]),
+            reach=Reach.TAKEN,
+            code=saved["code"],
+        )
+    return saved
 
 
 class Session:
@@ -159,6 +218,7 @@ class Session:
         self._restored: dict[str, _Call] = {}
         """Calls a restore brought back, until ``run_rollouts`` continues each."""
         self._next_call = 0
+        self._prefix = secrets.token_hex(4)
         self._stopping = threading.Event()
         """Set by :meth:`stop` first: a session still starting ends as soon as it is up."""
         self._thread = threading.Thread(target=self._run, name="trio-gym-session", daemon=True)
@@ -211,7 +271,8 @@ class Session:
             raise SessionFailed(
                 "the session has ended (shutdown, or a failure it logged)"
             ) from None
-        expected = len(call.rows) - len(call.delivered)
+        with call.lock:
+            expected = len(call.rows) - len(call.delivered)
         delivered = 0
         try:
             while delivered < expected:
@@ -227,6 +288,7 @@ class Session:
                     ) from item.why
                 delivered += 1
                 yield item
+                call.yielded(item[0])
         finally:
             if delivered < expected:
                 with contextlib.suppress(trio.RunFinishedError):
@@ -375,8 +437,7 @@ class Session:
         successors = dict(zip(sorted(named - live), sorted(live - named), strict=False))
         restored = await self._coordinator.restore(directory, successors=successors)
         for call_id, saved in restored.trainer_state.get("calls", {}).items():
-            call = _Call(call_id, saved["rows"], saved["chunk_size"], set(saved["delivered"]))
-            self._restored[call_id] = call
+            self._restored[call_id] = _Call.restored(call_id, saved)
         return restored
 
     def _begin(
@@ -396,7 +457,9 @@ class Session:
         else:
             if not rows:
                 raise ValueError("run_rollouts needs at least one row")
-            call = _Call(f"c{self._next_call}", list(rows), self.config.chunk_size)
+            # The session's own prefix: a restored call's id never comes back as a new one.
+            call_id = f"{self._prefix}-c{self._next_call}"
+            call = _Call(call_id, list(rows), self.config.chunk_size)
             self._next_call += 1
         call.started = trio.current_time()
         self._calls[call.call_id] = call
@@ -421,8 +484,7 @@ class Session:
             "elapsed_s": trio.current_time() - call.started,
             "attempt": sealed.attempt,
         }
-        call.delivered.add(index)
-        call.answered.put((index, outcome, timing))
+        call.answer((index, outcome, timing))
 
     async def _feed(self, call: _Call, scope: trio.CancelScope) -> None:
         assert self._dispatcher is not None
@@ -435,20 +497,19 @@ class Session:
                 first = call.index(group_id, 0)
                 cause = failure.cause
                 for index in range(first, first + len(rows)):
-                    if index not in call.delivered:
-                        call.delivered.add(index)
+                    if not call.answered_or_delivered(index):
                         error = RolloutError(
                             str(failure),
                             origin=cause.origin if cause else Origin.SANDBOX,
                             reach=Reach.TAKEN,
                             code=cause.code if cause else None,
                         )
-                        call.answered.put((index, error, {"host": None, "elapsed_s": None}))
+                        call.answer((index, error, {"host": None, "elapsed_s": None}))
 
         with scope:
             try:
                 async with trio.open_nursery() as groups:
-                    for group_id, rows in call.groups().items():
+                    for group_id, rows in call.groups_to_run().items():
                         groups.start_soon(one, group_id, rows)
             except BaseException as exc:
                 call.answered.put(_Ended(exc))

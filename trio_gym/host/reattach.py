@@ -7,16 +7,19 @@ that POSTs the same key and the same request — the body, its ``Accept`` and HT
 request under a key in use is refused (422 ``idempotency_key_reused``, naming the key).
 
 While no caller is attached, the batch runs on for ``reattach_grace_s``; then it is cancelled
-as an unkeyed batch is at its caller's disconnect. A finished answer is kept for
-``answer_retention_s`` and within ``answer_retention_bytes`` of finished answers (the oldest go
-first), so a caller whose answer was cut gets it whole; a key whose answer is no longer kept is
-refused (410 ``answer_expired``) for as long as the host remembers it, never run again.
+as an unkeyed batch is at its caller's disconnect; ``DELETE`` under the key cancels it now. A
+finished answer is kept for ``answer_retention_s`` and within ``answer_retention_bytes`` of
+finished answers (the oldest go first; one finished less than the grace ago, or still being
+sent, stays whatever its size: its caller may be coming back), so a caller whose answer was cut
+gets it whole; a key whose answer is no longer kept is refused (410 ``answer_expired``) for as
+long as the host remembers it, never run again.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -190,9 +193,15 @@ class KeyedBatches:
         return batch
 
     def cancel(self, key: str) -> bool:
-        """Cancel the running batch under ``key`` now; whether there was one."""
+        """Cancel the running batch under ``key`` now; whether there was one. A key that runs
+        nothing here is remembered as given up, so a POST under it still on its way (held in a
+        proxy) is refused instead of run."""
         batch = self._batches.get(key)
-        if batch is None or batch.log.ended:
+        if batch is None:
+            if key not in self._expired:
+                self._expire(key, "its caller gave it up (DELETE) before it arrived")
+            return False
+        if batch.log.ended:
             return False
         log_event("keyed_batch_cancelled", key=key)
         batch.scope.cancel()
@@ -203,10 +212,14 @@ class KeyedBatches:
             with batch.scope:
                 await run(batch)
         except WireError as refusal:  # before its answer began: not kept, the key is free
-            batch.refusal = refusal
-            del self._batches[batch.key]
-            batch.log.breaks()
+            self._refused(batch, refusal)
             return
+        except Exception:  # the boundary handle_connection is for an unkeyed batch
+            log_event("keyed_batch_failed", level=logging.ERROR, key=batch.key, exc_info=True)
+            if not batch.log.started:
+                internal = "the host failed unexpectedly; its log has the details"
+                self._refused(batch, WireError(ErrorCode.INTERNAL, internal))
+                return
         finally:
             if not batch.log.ended and batch.refusal is None:  # cut off (abandoned, stopping)
                 batch.log.breaks()
@@ -217,6 +230,11 @@ class KeyedBatches:
             batch.finished_at = trio.current_time()
             self._finished[batch.key] = batch
             self._forget_old()
+
+    def _refused(self, batch: KeyedBatch, refusal: WireError) -> None:
+        batch.refusal = refusal
+        del self._batches[batch.key]
+        batch.log.breaks()
 
     async def until_abandoned(self, batch: KeyedBatch) -> None:
         """Return once no caller has been attached for ``grace_s``: the batch's watcher."""
@@ -249,10 +267,12 @@ class KeyedBatches:
 
     async def _send(self, batch: KeyedBatch, conn: HttpConnection) -> None:
         log = batch.log
-        while not log.started and batch.refusal is None:
+        while not log.started and not log.broken:
             await log.changed.wait()
         if batch.refusal is not None:
             raise batch.refusal
+        if not log.started:  # stopped before it answered (a DELETE, the host stopping)
+            raise ConnectionLost("the batch stopped before its answer began")
         if not log.chunked:
             while not log.ended:
                 await log.changed.wait()
@@ -272,13 +292,17 @@ class KeyedBatches:
             await log.changed.wait()
 
     def _forget_old(self) -> None:
-        """Drop finished answers past their retention, then the oldest beyond the bytes kept;
-        an answer a caller is still being sent stays until it is sent."""
+        """Drop finished answers past their retention, then the oldest beyond the bytes kept.
+        An answer finished less than ``grace_s`` ago stays whatever its size (its caller, cut,
+        may be coming back for it), and one a caller is still being sent stays until it is sent:
+        the bytes bound is on the answers no caller can still be reading or returning for."""
         now = trio.current_time()
         kept = sum(batch.log.size for batch in self._finished.values())
         for key, batch in list(self._finished.items()):
-            old = batch.finished_at is not None and now - batch.finished_at >= self.retention_s
-            if not (old or kept > self.retention_bytes) or batch.callers:
+            age = now - (batch.finished_at or now)
+            if batch.callers or age < min(self.grace_s, self.retention_s):
+                continue
+            if not (age >= self.retention_s or kept > self.retention_bytes):
                 continue
             kept -= batch.log.size
             del self._finished[key]

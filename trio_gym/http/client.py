@@ -11,6 +11,7 @@ apart, because only the first may be retried without running anything twice:
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import math
 import socket
@@ -101,7 +102,12 @@ class NoResponse(Exception):
 
 
 class ConnectFailed(NoResponse):
-    """Not even a connection: the request certainly never reached the peer."""
+    """Not even a connection: the request certainly never reached the peer. ``refused``: the
+    peer's address answered that nothing listens there (the process is gone or restarted)."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class BodyFailed(Exception):
@@ -154,7 +160,10 @@ class ClientExchange:
             try:
                 stream = await opener(endpoint)
             except OSError as exc:
-                raise ConnectFailed(f"could not connect to {endpoint.authority}: {exc}") from exc
+                refused = exc.errno == errno.ECONNREFUSED
+                raise ConnectFailed(
+                    f"could not connect to {endpoint.authority}: {exc}", refused=refused
+                ) from exc
             conn = HttpConnection(stream, h11.CLIENT, limits, request_version=request_version)
             return cls(conn, endpoint)
         raise ConnectFailed(

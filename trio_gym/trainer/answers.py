@@ -1,6 +1,6 @@
 """A buffered answer read as a chunk's results or as the :class:`RolloutError` naming its origin
 and whether a host took it (the whole table, with the failures before any answer and the cut
-answers, is in :mod:`trio_gym.trainer.client`)."""
+answers, is in :mod:`trio_gym.trainer.host_client`)."""
 
 from __future__ import annotations
 

@@ -160,6 +160,9 @@ class Dispatcher:
         """The checkpoint a lost host's episodes are recovered from (the coordinator's last)."""
         self.host_changes = trio.Lock()
         """Held by a checkpoint, and by the recovery of a lost host: never both at once."""
+        self._streams: dict[str, set[trio.CancelScope]] = defaultdict(set)
+        """Host -> the requests in flight to it, cut when it is lost (a host ejected alive
+        must not seal rows of attempts its heir now holds)."""
         self.recovered_total = 0
         """Episodes of lost hosts restored on their heirs from a checkpoint."""
 
@@ -233,7 +236,7 @@ class Dispatcher:
                     await self._send(host, attempts, examples, budget)
             except HostLost as lost:
                 if lost.heir is None:
-                    raise GroupFailed(f"group {group_id!r}: {lost}no host is left") from lost
+                    raise GroupFailed(f"group {group_id!r}: {lost}") from lost
             finally:
                 looping.discard(host)
             # Work may have moved to a heir meanwhile (this host was lost between sends).
@@ -325,20 +328,25 @@ class Dispatcher:
             for key, attempt in zip(keys, attempts, strict=True)
         ]
         async with self.scheduler.slot(host) as member:
-            rows = member.host.client.stream(payload)
-            try:
-                failure = await self._submit(member, keys, rows, budget)
-                if failure is None:
-                    lost_some = await self._read_rows(member, keys, rows, budget)
-                elif failure.reach is Reach.UNREACHED:
-                    lost_some = False
-                else:  # the host may have taken the batch: never re-sent under these ids
-                    log_event("request_unanswered", host=host, error=str(failure))
-                    budget.losses.update(dict.fromkeys(keys, failure))
-                    await self._lose(host, keys)
-                    lost_some = True
-            finally:
-                await rows.aclose()
+            with trio.CancelScope() as lost:  # cancelled when the host is lost (_host_lost)
+                self._streams[host].add(lost)
+                rows = member.host.client.stream(payload)
+                try:
+                    failure = await self._submit(member, keys, rows, budget)
+                    if failure is None:
+                        lost_some = await self._read_rows(member, keys, rows, budget)
+                    elif failure.reach is Reach.UNREACHED:
+                        lost_some = False
+                    else:  # the host may have taken the batch: never re-sent under these ids
+                        log_event("request_unanswered", host=host, error=str(failure))
+                        budget.losses.update(dict.fromkeys(keys, failure))
+                        await self._lose(host, keys)
+                        lost_some = True
+                finally:
+                    self._streams[host].discard(lost)
+                    await rows.aclose()
+        if lost.cancelled_caught:  # its work is being moved to its heir: follow it there
+            await self.scheduler.until_settled(member)
         if failure is not None or lost_some:
             await trio.sleep(self.settings.resend_backoff_s)
         elif self.gate.is_open and any(
@@ -399,6 +407,9 @@ class Dispatcher:
         to retire at once, in this mutation (a checkpoint's drain must not wait for it); True
         then."""
         async with self.ledger.mutation() as ledger:
+            if not ledger.in_flight(key):  # its host was lost meanwhile: the heir has it now
+                log_event("row_of_a_moved_attempt", key=key)
+                return False
             code = row.error.code if row.error is not None else None
             if code == ADMISSION_CLOSED:
                 ledger.move(key, AttemptState.RESERVED)  # same identity, nothing spent
@@ -460,8 +471,10 @@ class Dispatcher:
     async def _host_lost(self, lost: RemoteHost, heir: RemoteHost | None) -> None:
         """The scheduler lost ``lost``: its work moves to ``heir`` before the heir takes
         any (:mod:`trio_gym.trainer.recovery`); nothing of it is left to retire there."""
+        for stream in self._streams.pop(lost.name, ()):
+            stream.cancel()
         async with self.host_changes:
-            restored = await recover(
+            restored, orphans = await recover(
                 self.ledger,
                 lost.name,
                 heir,
@@ -471,6 +484,8 @@ class Dispatcher:
             )
         self.recovered_total += len(restored)
         self.to_retire.pop(lost.name, None)
+        if heir is not None:  # restored for a group dropped meanwhile: the next retire stops it
+            self.to_retire[heir.name].update(orphans)
 
     # --- retiring ---------------------------------------------------------------------------
 

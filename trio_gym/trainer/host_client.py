@@ -11,7 +11,8 @@ unreached batch may be sent again, a taken one never):
 what happened                                              origin     reach
 =========================================================  =========  =========
 no connection                                              proxy      unreached
-no response head over HTTP/1.1 (reset, timeout) (*)        proxy      unreached
+no response head over HTTP/1.1 (reset, timeout) (*)        proxy      unreached, once
+                                                                      the host confirms
 no response head for a row stream (**)                     proxy      taken
 the host's "not now" (``not_ready``, ``host_busy``, ...)    sandbox    unreached
 a gateway that could not reach the host (its 502/503/504)  proxy      unreached
@@ -26,9 +27,12 @@ gone
 a cut answer while the host's ``/health`` says ready       proxy      taken
 =========================================================  =========  =========
 
-(*) The host sends its head the moment it admits a batch, and cancels the batch when its
-caller's connection goes: a missing head means nothing ran. Over HTTP/1.0 the host answers
-only once the batch is done, so there only a connection that never opened is unreached.
+(*) The host sends its head the moment it admits a batch; a batch sent under an
+``Idempotency-Key`` (every request of this client is) runs on for its caller's return, so a
+missing head is unreached only once the host says it dropped the request — a ``DELETE`` under
+its key answered, or nothing listening at its address — and taken otherwise (:meth:`post`).
+Over HTTP/1.0 the host answers only once the batch is done, so there only a connection that
+never opened is unreached.
 
 (**) A row stream is what a checkpoint-aware caller sends: a host that did not see its caller
 leave (a proxy keeps the host's side open) may park and export the batch's episodes, so a
@@ -197,6 +201,16 @@ class HostClient:
         for attach in range(self.settings.max_reattaches + 1):
             try:
                 return await self._post_once(payload, key, expected, on_heartbeat)
+            except _Headless as headless:
+                error = headless.error
+                if attach:  # the host took it on the first send: a reattach never unreaches it
+                    raise error.renamed(
+                        f"reattaching to the answer under its key failed: {error.message}",
+                        reach=Reach.TAKEN,
+                    ) from headless
+                if not headless.connected:
+                    raise error from headless
+                raise await self._unless_dropped(error, key) from headless
             except _Cut as cut:
                 error = await self.cut(cut.what, cut.status)
             except RolloutError as failure:
@@ -245,7 +259,8 @@ class HostClient:
                     head_timeout_s=self.head_timeout_s,
                 )
             except NoResponse as exc:
-                raise self.unanswered(exc) from exc
+                connected = not isinstance(exc, ConnectFailed)
+                raise _Headless(self.unanswered(exc), connected=connected) from exc
             except BodyFailed as exc:
                 if exc.too_large:
                     raise _too_large(exc) from exc
@@ -258,16 +273,34 @@ class HostClient:
                 f"({len(response.body)} bytes, {elapsed:.0f} s)",
                 response.status,
             )
-        raise _deadline_passed(self.settings.request_deadline_s, self.endpoint, heard, self)
+        failure = _deadline_passed(self.settings.request_deadline_s, self.endpoint, heard, self)
+        if heard.status is None:
+            raise _Headless(failure, connected=True)
+        raise failure
 
-    async def give_up(self, key: str) -> None:
+    async def _unless_dropped(self, error: RolloutError, key: str) -> RolloutError:
+        """A request sent with no head back: unreached only once the host says it dropped it
+        (or never had it); a host that keeps a keyed batch for its caller's return would
+        otherwise run it beside its re-send."""
+        if await self.give_up(key):
+            return error
+        return error.renamed(
+            f"{error.message}; the host did not confirm it dropped the request "
+            f"(DELETE under its key, {self.settings.give_up_timeout_s:g} s), so it may still "
+            "run it: not sent again",
+            reach=Reach.TAKEN,
+        )
+
+    async def give_up(self, key: str) -> bool:
         """Tell the host the request under ``key`` is given up for good (``DELETE``): it
         cancels the batch now, not after its reattach grace. Shielded, bounded by
-        ``give_up_timeout_s``; a host that does not answer cancels it after the grace."""
+        ``give_up_timeout_s``; a host that does not answer cancels it after the grace.
+        Whether the host is known to run nothing under ``key`` now: it answered, or nothing
+        listens at its address."""
         with trio.CancelScope(shield=True) as scope:
             scope.deadline = trio.current_time() + self.settings.give_up_timeout_s
             try:
-                await exchange(
+                response = await exchange(
                     self.endpoint,
                     "DELETE",
                     "/rollouts/run",
@@ -280,6 +313,9 @@ class HostClient:
                 )
             except (NoResponse, BodyFailed) as exc:
                 log_event("give_up_unanswered", host=self.host.name, key=key, error=str(exc))
+                return isinstance(exc, ConnectFailed) and exc.refused
+            return response.status == 200
+        return False
 
     def _results(self, status: int, body: bytes, expected: int) -> list[Any]:
         results = decode_response(status, body, page_reach=self.unanswered_reach())
@@ -348,6 +384,14 @@ class HostClient:
                 reach=Reach.REFUSED,
             )
         return payload
+
+
+class _Headless(Exception):
+    """A request that got no response head; ``connected``: it may have reached the host."""
+
+    def __init__(self, error: RolloutError, *, connected: bool) -> None:
+        super().__init__(error.message)
+        self.error, self.connected = error, connected
 
 
 class _Cut(Exception):

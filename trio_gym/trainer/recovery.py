@@ -48,9 +48,10 @@ async def recover(
     *,
     timeout_s: float,
     lease_s: float,
-) -> list[str]:
+) -> tuple[list[str], list[tuple[str, int]]]:
     """Move ``lost``'s unsealed work to ``heir`` (none: it stays, abandoned); the capture keys
-    of the attempts restored on the heir."""
+    of the attempts restored on the heir, and the (rollout id, attempt) the heir restored for
+    an attempt given up meanwhile (its group dropped during the restore), to retire there."""
     export = _export_of(lost, last)
     keys = [
         key
@@ -62,10 +63,15 @@ async def recover(
         restored = await _restore(
             heir, last.directory / export.directory, ledger, keys, timeout_s, lease_s
         )
-    next_keys = []
+    next_keys: list[str] = []
+    orphans: list[tuple[str, int]] = []
     async with ledger.mutation():
-        if restored:
-            next_keys = [ledger.next_attempt(key).capture_key for key in keys]
+        for key in keys if restored else []:
+            if ledger.in_flight(key):  # still: the restore awaited the heir
+                next_keys.append(ledger.next_attempt(key).capture_key)
+            else:
+                attempt = ledger.attempt(key)
+                orphans.append((attempt.rollout_id, attempt.number + 1))
         for attempt in list(ledger.in_state(AttemptState.DISPATCHED)):
             if attempt.host == lost:
                 ledger.move(attempt.capture_key, AttemptState.ABANDONED)
@@ -78,7 +84,7 @@ async def recover(
         restored=len(next_keys),
         checkpoint_id=last.manifest.checkpoint_id if last else None,
     )
-    return next_keys
+    return next_keys, orphans
 
 
 def _export_of(lost: str, last: LastCheckpoint | None) -> HostExport | None:

@@ -116,7 +116,8 @@ class HostLost(Exception):
     its work now."""
 
     def __init__(self, lost: str, heir: str | None) -> None:
-        super().__init__(f"host {lost} was lost; " + (f"{heir} took its place" if heir else ""))
+        then = f"{heir} took its place" if heir else "no host is left to take its work"
+        super().__init__(f"host {lost} was lost; {then}")
         self.lost, self.heir = lost, heir
 
 
@@ -245,10 +246,6 @@ class Scheduler:
     def unsettled(self) -> list[str]:
         """Hosts lost whose work is not yet handed on (a replacement is being launched)."""
         return [name for name, m in self._known.items() if m.ejected and not m.settled]
-
-    def host(self, name: str) -> RemoteHost:
-        """The host called ``name`` (in service or lost)."""
-        return self._known[name].host
 
     def heir_of(self, name: str) -> str | None:
         """Where ``name``'s work goes now: itself while in service, else its heir's heir..."""
@@ -394,7 +391,12 @@ class Scheduler:
         ends = "; ".join(f"{name}: {why}" for name, why in self.ejected.items())
         causes = [m.last_error for m in self._known.values() if m.last_error is not None]
         origin = causes[-1].origin if causes else Origin.PROXY
-        return RolloutError(f"no host is left ({ends})", origin=origin, reach=Reach.UNREACHED)
+        return RolloutError(
+            f"no host is left ({ends}); give the scheduler more hosts, or a launcher to replace "
+            "those it loses (max_replacements)",
+            origin=origin,
+            reach=Reach.UNREACHED,
+        )
 
     # --- health -----------------------------------------------------------------------------
 
