@@ -313,9 +313,18 @@ async def test_a_failed_host_is_probed_before_more_and_the_resend_goes_first(
     good = json_response(200, b'{"results": [{"ok": true}]}')
     progress = RecordingProgress()
     async with trio.open_nursery() as nursery:
-        canned = CannedHost(nursery, [CannedHost.REFUSE, respond(HEALTH_READY), respond(good)])
+        canned = CannedHost(nursery, [respond(HEALTH_READY), respond(good)])
+        refused: list[float] = []
+
+        async def opener(endpoint: Any) -> trio.abc.Stream:
+            if not refused:  # the first send is refused a second in: chunk 2 waits by then
+                await trio.sleep(1)
+                refused.append(trio.current_time())
+                raise ConnectionRefusedError(111, "Connection refused")
+            return await canned.open(endpoint)
+
         settings = ClientSettings(chunk_size=1, max_in_flight=1, backoff_s=10)
-        client = RolloutClient(URL, settings, progress=progress, opener=canned.open)
+        client = RolloutClient(URL, settings, progress=progress, opener=opener)
         await client.run([{"seed": 1}, {"seed": 2}])
     # Nothing more goes to the host until a probe says ready; then the chunk that waited
     # longest goes first.

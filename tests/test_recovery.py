@@ -158,14 +158,13 @@ async def test_a_host_ejected_while_it_lives_has_its_streams_cut_and_runs_nothin
     """Found in review: b is ejected (two control calls it did not answer, then a probe) while
     it lives and streams; its requests are cut and given up before its work moves to its
     heir, so no row of a moved attempt is sealed and each episode runs once."""
-    async with fleet(("a", "b", "c"), scheduler=QUICK) as f:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                f.dispatcher.run_group, "g", [calendar(i, think_s=2.0) for i in range(3)]
-            )
-            await trio.sleep(1)  # every sibling mid-episode, one per host
-            f.dispatcher.scheduler.suspect("b", "a control call failed: timeout")
-            f.dispatcher.scheduler.suspect("b", "a control call failed: timeout")
+    async with fleet(("a", "b", "c"), scheduler=QUICK) as f, trio.open_nursery() as nursery:
+        nursery.start_soon(
+            f.dispatcher.run_group, "g", [calendar(i, think_s=2.0) for i in range(3)]
+        )
+        await trio.sleep(1)  # every sibling mid-episode, one per host
+        f.dispatcher.scheduler.suspect("b", "a control call failed: timeout")
+        f.dispatcher.scheduler.suspect("b", "a control call failed: timeout")
     assert Counter(r.sibling for r in f.consumed) == Counter({0: 1, 1: 1, 2: 1})
     completed = {name: len(runner.completed) for name, runner in f.runners.items()}
     assert sum(completed.values()) == 3 and completed["b"] == 0, completed
