@@ -2486,7 +2486,7 @@ MUTATIONS = [
     Mutation(
         "a group whose work moved to an heir between sends ends without it (#24)",
         "trio_gym/trainer/dispatch.py",
-        "            for pending in self._unsealed_hosts(group_id):\n                loop_on(pending)",
+        "            for pending in self._hosts_with_work_to_send(group_id):\n                loop_on(pending)",
         "            pass",
         (
             "tests/test_recovery.py::test_work_sent_to_a_host_already_dead_follows_it_to_its_replacement",

@@ -209,7 +209,7 @@ class Dispatcher:
                 )
         finished = False
         try:
-            used = sorted(self._unsealed_hosts(group_id))
+            used = sorted(self._hosts_with_work_to_send(group_id))
             await self._on_each_host(group_id, used, examples, _Budget())
             finished = True
         finally:  # cancelled or failed: the group is given up (cleanup under a bounded shield)
@@ -240,7 +240,7 @@ class Dispatcher:
             finally:
                 looping.discard(host)
             # Work may have moved to a heir meanwhile (this host was lost between sends).
-            for pending in self._unsealed_hosts(group_id):
+            for pending in self._hosts_with_work_to_send(group_id):
                 loop_on(pending)
 
         def loop_on(host: str) -> None:
@@ -256,9 +256,12 @@ class Dispatcher:
         except ExceptionGroup as group:
             raise_unwrapped(group, alike=GroupFailed)
 
-    def _unsealed_hosts(self, group_id: str) -> set[str]:
+    def _hosts_with_work_to_send(self, group_id: str) -> set[str]:
+        """Hosts holding a sibling of the group that waits to be sent (a request in flight
+        has its loop already)."""
+        waiting = (AttemptState.RESERVED, AttemptState.ABANDONED)
         siblings = self.ledger.groups[group_id].siblings
-        return {s.current.host for s in siblings if s.current.state is not AttemptState.SEALED}
+        return {s.current.host for s in siblings if s.current.state in waiting}
 
     def _assign(self, siblings: int) -> list[str]:
         """Each sibling on the healthy host with the least unsealed work (every host in service
