@@ -2486,8 +2486,11 @@ MUTATIONS = [
     Mutation(
         "a group whose work moved to an heir between sends ends without it (#24)",
         "trio_gym/trainer/dispatch.py",
-        "            for pending in self._hosts_with_work_to_send(group_id):\n                loop_on(pending)",
-        "            pass",
+        "            for pending in self._hosts_with_work_to_send(group_id):\n"
+        "                if self.scheduler.heir_of(pending) != pending:  # lost, its work never moved\n"
+        '                    raise GroupFailed(f"group {group_id!r}: work is left on {pending}, lost")\n'
+        "                loop_on(pending)\n",
+        "            pass\n",
         (
             "tests/test_recovery.py::test_work_sent_to_a_host_already_dead_follows_it_to_its_replacement",
         ),

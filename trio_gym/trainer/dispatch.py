@@ -241,6 +241,8 @@ class Dispatcher:
                 looping.discard(host)
             # Work may have moved to a heir meanwhile (this host was lost between sends).
             for pending in self._hosts_with_work_to_send(group_id):
+                if self.scheduler.heir_of(pending) != pending:  # lost, its work never moved
+                    raise GroupFailed(f"group {group_id!r}: work is left on {pending}, lost")
                 loop_on(pending)
 
         def loop_on(host: str) -> None:
