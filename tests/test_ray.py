@@ -276,10 +276,13 @@ def test_the_actor_checkpoints_mid_flight_and_a_new_actor_restores_each_row_once
     # A new call after the restore is its own (found in review: it took the restored call's
     # id, and with it the restored call's groups).
     other = [{"seed": 100 + i, "meetings": 1, "think_s": 0.1} for i in range(3)]
-    fresh = [
-        ray.get(ref) for ref in second.run_rollouts.options(num_returns="streaming").remote(other)
-    ]
+    fresh: list[Any] = []
+    new_call = second.run_rollouts.options(num_returns="streaming").remote(other)
+    reader = threading.Thread(target=lambda: fresh.extend(ray.get(ref) for ref in new_call))
+    reader.start()
+    reader.join(timeout=WAIT_S)
     ray.get(second.shutdown.remote())
+    reader.join(timeout=WAIT_S)  # a stream that hung ends with the session
     ray.kill(second)
     again = [index for index, _, _ in resumed]
     assert sorted(call["delivered"] + again) == list(range(6))  # each row once across the cut
