@@ -946,10 +946,10 @@ MUTATIONS = [
         ("tests/test_ledger.py::test_a_retry_is_a_fresh_attempt_under_a_new_rollout_id",),
     ),
     Mutation(
-        "the trainer manifest written in place",
-        "trio_gym/trainer/manifest.py",
-        '    temporary = directory / f".{MANIFEST_NAME}.tmp"',
-        "    temporary = path",
+        "the trainer manifest written in place (files.write_whole, every whole write's)",
+        "trio_gym/files.py",
+        '        with os.fdopen(handle, "wb") as file:',
+        '        os.close(handle)\n        with open(path, "wb") as file:',
         (
             "tests/test_trainer_manifest.py::test_a_write_that_fails_half_way_leaves_the_old_manifest",
         ),

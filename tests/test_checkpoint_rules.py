@@ -1,7 +1,7 @@
 """The checkpoint control plane's rules one by one: ids, scopes, exports, retire and forget.
 
 Every test here was written against a rule that a mutation of ``host/checkpoint.py``,
-``host/episodes.py`` or ``host/export.py`` would break (``scripts/mutations.py``).
+``host/episodes.py`` or ``protocol/export.py`` would break (``scripts/mutations.py``).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.batch_file import run_file
 from trio_gym.trainer.scheduler import SchedulerSettings
 
-# serve's flags and the config fields they set (DESIGN §7).
+# serve's flags and the config fields they set.
 SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
     "--host": ("host", str, "address to bind (default 127.0.0.1)"),
     "--port": ("port", int, "TCP port, 0 for any free one (default 8080)"),

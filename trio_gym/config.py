@@ -312,7 +312,7 @@ def parse_agent_pairs(pairs: list[str]) -> dict[str, str]:
     return agents
 
 
-# The variables a caller's bootstrap environment is made of (DESIGN §4, the upstream host's
+# The variables a caller's bootstrap environment is made of (the upstream host's
 # names). A caller's extra host variables may not redefine them.
 BOOTSTRAP_VARIABLES: Final = (
     "NMP_JOB_ID",

@@ -1,4 +1,4 @@
-"""The error codes of the wire contract (DESIGN §3.3) and the exception that carries them.
+"""The error codes of the wire contract and the exception that carries them.
 
 Every refusal the host makes, and every failure it reports after the status line has left,
 is a :class:`WireError`: a machine-readable ``code``, a human ``message`` that says what was
@@ -106,7 +106,7 @@ class WireError(Exception):
         self.headers = tuple(headers)
 
     def envelope(self) -> dict[str, Any]:
-        """The ``{"error": {"code", "message"}}`` body of DESIGN §3.1."""
+        """The ``{"error": {"code", "message"}}`` body every refusal carries."""
         return {"error": {"code": self.code.value, "message": self.message}}
 
     def __repr__(self) -> str:

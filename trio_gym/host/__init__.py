@@ -1,4 +1,4 @@
-"""The sandbox host: routes, batches, heartbeats, admission (DESIGN §3)."""
+"""The sandbox host: routes, batches, heartbeats, admission."""
 
 from trio_gym.host.server import ListenError, handle_connection, serve
 from trio_gym.host.state import Host, HostStats

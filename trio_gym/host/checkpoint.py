@@ -1,4 +1,4 @@
-"""The host as a checkpoint participant (DESIGN §3.4): the operations, their id rules and
+"""The host as a checkpoint participant: the operations, their id rules and
 replies, the lease, and the batch deadlines that stand still while their episodes are parked.
 
 The phases and their legal moves are :mod:`~trio_gym.host.checkpoint_phases`; reading an export

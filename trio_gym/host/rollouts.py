@@ -1,4 +1,4 @@
-"""``POST /rollouts/run`` (DESIGN §3.3): refuse early, validate, run under supervision, answer.
+"""``POST /rollouts/run``: refuse early, validate, run under supervision, answer.
 
 Two answers: one JSON document (the default; HTTP/1.1 chunked with single-space heartbeats, or
 HTTP/1.0 buffered), or, with ``Accept: application/x-ndjson``, a per-row stream (:mod:`.rows`).

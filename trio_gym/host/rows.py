@@ -1,4 +1,4 @@
-"""The per-row answer (DESIGN §3.3 "Per-row streaming"): one NDJSON line per finished example.
+"""The per-row answer: one NDJSON line per finished example.
 
 ``200``, ``Content-Type: application/x-ndjson``, chunked. While the batch runs, an empty line is
 the heartbeat. Each example that finishes sends its own line at once, in completion order:

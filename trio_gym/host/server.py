@@ -17,6 +17,7 @@ import h11
 import trio
 
 from trio_gym.errors import ErrorCode, WireError
+from trio_gym.files import write_whole
 from trio_gym.http import (
     ConnectionLost,
     HttpConnection,
@@ -253,12 +254,9 @@ async def accept_connections(
 def write_port_file(path: Path, port: int) -> None:
     """Write ``port`` to ``path`` whole (a temporary name, then a rename): a launcher polling for
     the file never reads half of it. Raises :class:`ListenError` if it cannot be written."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}")
     try:
-        temporary.write_text(f"{port}\n")
-        os.replace(temporary, path)
+        write_whole(path, f"{port}\n".encode())
     except OSError as exc:
-        temporary.unlink(missing_ok=True)
         raise ListenError(
             f"listening on port {port}, but cannot write the port file {path}: "
             f"{exc.strerror or exc}; give --port-file (NMP_PORT_FILE) a writable path"

@@ -347,8 +347,8 @@ class HttpConnection:
         ``None`` when nothing is there or the stream is not a socket.
 
         A short request is one read that needs no waiting, and trio's read would add a trip
-        through the scheduler to it. Only the first ``READ_NOW_BYTES`` of a connection are read
-        this way (``UNYIELDING_BYTES``, shared with writes): past them every read is a
+        through the scheduler to it. Only the first ``UNYIELDING_BYTES`` of a connection are read
+        this way (a budget shared with writes): past them every read is a
         checkpoint again, so a peer sending fast cannot keep its task from yielding to others.
         """
         if self._unyielding_left <= 0 or not isinstance(self._stream, trio.SocketStream):

@@ -1,6 +1,6 @@
 """Reading and writing whole HTTP messages on an :class:`HttpConnection`.
 
-The framing rule of DESIGN §3.1 lives here and nowhere else: every response this project sends
+The framing rule lives here and nowhere else: every response this project sends
 is framed by ``Content-Length`` (``0`` included) or by chunked transfer coding ending in the
 zero-length chunk, and says ``Connection: close``. A body delimited only by the connection
 closing is never written — a proxy that does not wait for the close takes whatever it has as
@@ -97,7 +97,7 @@ async def send_empty(conn: HttpConnection, status: int, *, headers: Headers = ()
     """Send a response with no body, framed by ``Content-Length: 0``.
 
     Without it h11 would frame an HTTP/1.1 answer as chunked and an HTTP/1.0 answer by closing
-    the connection — the one framing DESIGN §3.1 forbids.
+    the connection — the one framing this project never sends.
     """
     await conn.send(_response(status, [("content-length", "0"), *headers]), h11.EndOfMessage())
 

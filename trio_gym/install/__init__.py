@@ -1,4 +1,4 @@
-"""The installer stage: environment packages and the uv environment they need (DESIGN §4)."""
+"""The installer stage: environment packages and the uv environment they need."""
 
 from trio_gym.install.package import EnvironmentPackage, PackageError, load_package
 from trio_gym.install.stage import InstallError, find_uv, install_environment

@@ -1,4 +1,4 @@
-"""The installer stage (DESIGN §4): prepare the environment package before serving.
+"""The installer stage: prepare the environment package before serving.
 
 For ``wheels-v1`` every wheel is installed with uv into ``<work_path>/wheels-v1-site-packages``
 with no index and binaries only. Then the process environment is pointed at the result, so the

@@ -1,4 +1,4 @@
-"""The checkpoint control plane's vocabulary (DESIGN §3.4): its paths, the participant every
+"""The checkpoint control plane's vocabulary: its paths, the participant every
 host exports, and the request and reply shapes both sides speak.
 
 Requests are pydantic models, strict and closed (``extra="forbid"``): the host validates every

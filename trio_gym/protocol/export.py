@@ -27,6 +27,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from trio_gym.errors import ErrorCode, WireError, describe_validation_error
+from trio_gym.files import fsync_directory, write_whole
 from trio_gym.http import encode_json
 
 FORMAT: Final = "trio-gym-export-v1"  # also ManifestHead.format
@@ -86,13 +87,7 @@ def write_records(
     folder = directory / "participants" / kind / server_name
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"{digest}.jsonl"
-    temporary = folder / f".{digest}.jsonl.tmp"
-    with open(temporary, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, target)
-    _fsync_directory(folder)
+    write_whole(target, data, durable=True)
     keys = tuple(str(record["capture_key"]) for record in records)
     return ParticipantExport(
         server_name, kind, str(folder), target.name, digest, len(records), keys
@@ -117,17 +112,8 @@ def publish_manifest(directory: Path, manifest: Mapping[str, Any]) -> Path:
         file.write(data)
         file.flush()
         os.fsync(file.fileno())
-    _fsync_directory(directory)
+    fsync_directory(directory)
     return path
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make a rename or a creation in ``directory`` durable (the entry, not just the data)."""
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
 
 
 @attrs.frozen

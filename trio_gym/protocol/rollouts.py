@@ -1,4 +1,4 @@
-"""What ``POST /rollouts/run`` carries beyond DESIGN §3.3's examples and deadline, and how a
+"""What ``POST /rollouts/run`` carries beyond its examples and deadline, and how a
 failed example comes back: as a *failure record*, the shape NeMo Gym's collection writes to its
 ``<stem>_failures.jsonl``.
 

@@ -1,4 +1,4 @@
-"""Runners: what turns one example into one result (DESIGN §6)."""
+"""Runners: what turns one example into one result."""
 
 from trio_gym.runners.agents import AgentSettings, AgentsRunner
 from trio_gym.runners.base import ExampleContext, Runner

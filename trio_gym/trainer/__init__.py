@@ -1,4 +1,4 @@
-"""The library a trio-based trainer imports to talk to hosts (DESIGN §5)."""
+"""The library a trio-based trainer imports to talk to hosts."""
 
 from trio_gym.trainer.answers import decode_response
 from trio_gym.trainer.client import RolloutClient

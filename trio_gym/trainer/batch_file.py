@@ -10,15 +10,14 @@ result: the hosts are asked for failure records in place (``failures="records"``
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import trio
 
+from trio_gym.files import write_whole
 from trio_gym.protocol.rollouts import (
     FAILURE_CLASS_KEY,
     FAILURE_MESSAGE_KEY,
@@ -131,16 +130,7 @@ def write_results(results: Sequence[Any], out: Path | None) -> None:
         sys.stdout.write(lines)
         sys.stdout.flush()
         return
-    handle, temporary = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(lines)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(temporary, 0o666 & ~umask)  # what open() would have given it, not mkstemp's 0600
-        os.replace(temporary, out)
-    finally:
-        Path(temporary).unlink(missing_ok=True)  # gone already once it was renamed
+    write_whole(out, lines.encode())
 
 
 BatchRunner = Callable[[Sequence[Mapping[str, Any]], Progress], Awaitable[list[Any]]]

@@ -1,4 +1,4 @@
-"""Calling a host's checkpoint control plane (DESIGN §3.4) from a trio program.
+"""Calling a host's checkpoint control plane from a trio program.
 
 Every call carries an absolute ``deadline`` (wall-clock seconds, so that two machines agree on
 it) computed from ``timeout_s``, and is itself bounded by that timeout plus a short grace for

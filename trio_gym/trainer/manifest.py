@@ -13,13 +13,13 @@ there.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from trio_gym.errors import describe_validation_error
+from trio_gym.files import write_whole
 from trio_gym.protocol.export import ManifestParticipant
 
 MANIFEST_NAME: Final = "gym_checkpoint.json"
@@ -83,18 +83,8 @@ def write_manifest(directory: Path, manifest: CheckpointManifest) -> Path:
     """Write ``gym_checkpoint.json`` atomically: a temporary file, fsynced, renamed over, and
     the directory fsynced — a crash leaves the old manifest or the new one, never a mix."""
     path = directory / MANIFEST_NAME
-    temporary = directory / f".{MANIFEST_NAME}.tmp"
     data = json.dumps(manifest.model_dump(), indent=1, sort_keys=True).encode()
-    with temporary.open("wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+    write_whole(path, data, durable=True)
     return path
 
 
