@@ -8,8 +8,9 @@ snapshot to retire (rollout ``<task>-<rollout>``, snapshot ``s<worker>``), ``ret
 behaviour returns an answer's fields, ``None`` for no answer at all (a worker that hangs), or
 raises :class:`Die` to exit with a status (after printing its last words on standard error).
 With ``serial``, requests are answered one at a time, in order, as the real worker answers them;
-otherwise each at once. Its standard input is a pipe of ``pipe_bytes`` (writes beyond it wait, and
-a write can stop half-way), read only while ``reading`` is set.
+otherwise each at once. Its standard input is one of trio's memory pipes — with ``full_pipe`` a
+lockstep one, so every write waits for the worker to read it and can stop half-way — read only
+while ``reading`` is set.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from typing import Any
 
 import trio
 import trio.testing
-
-from tests.streams import socket_like_pair
 
 Behaviour = Callable[[int, dict[str, Any]], Awaitable[dict[str, Any] | None]]
 
@@ -50,14 +49,18 @@ class FakeWorkerProcess:
     """One started worker: the streams the finalizer speaks over, and its end."""
 
     def __init__(
-        self, number: int, noted: Callable[[], None], *, serial: bool, pipe_bytes: float
+        self, number: int, noted: Callable[[], None], *, serial: bool, full_pipe: bool
     ) -> None:
         self.number = number
         self._noted = noted
         self._serial = serial
         self.reading = trio.Event()
         self.reading.set()
-        self.stdin, self._requests = socket_like_pair(pipe_bytes)
+        self.stdin, self._requests = (
+            trio.testing.lockstep_stream_one_way_pair()
+            if full_pipe
+            else trio.testing.memory_stream_one_way_pair()
+        )
         self._answers, self.stdout = trio.testing.memory_stream_one_way_pair()
         self._errors, self.stderr = trio.testing.memory_stream_one_way_pair()
         self.returncode: int | None = None
@@ -144,12 +147,12 @@ class FakeWorkers:
         behaviour: Behaviour = default_behaviour,
         *,
         serial: bool = False,
-        pipe_bytes: float = float("inf"),
+        full_pipe: bool = False,
     ) -> None:
         self.nursery = nursery
         self.behaviour = behaviour
         self.serial = serial
-        self.pipe_bytes = pipe_bytes
+        self.full_pipe = full_pipe
         self.started: list[FakeWorkerProcess] = []
         self.refuse_start: OSError | None = None
         self._changed = trio.Event()
@@ -180,7 +183,7 @@ class FakeWorkers:
         if self.refuse_start is not None:
             raise self.refuse_start
         worker = FakeWorkerProcess(
-            len(self.started) + 1, self._note, serial=self.serial, pipe_bytes=self.pipe_bytes
+            len(self.started) + 1, self._note, serial=self.serial, full_pipe=self.full_pipe
         )
         self.started.append(worker)
         self.nursery.start_soon(worker.serve, self.behaviour)

@@ -11,7 +11,6 @@ import trio
 import trio.testing
 
 from tests.helpers import CountingRunner
-from tests.streams import socket_like_pair
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
 from trio_gym.runners import ExampleContext, ExampleRunner, Runner
@@ -157,7 +156,7 @@ class World:
             await trio.lowlevel.checkpoint()
             if target in self.dead or self.severed:
                 raise ConnectionRefusedError(111, "Connection refused")
-            trainer_end, host_end = socket_like_pair()
+            trainer_end, host_end = trio.testing.memory_stream_pair()
             self.lives[target].start_soon(handle_connection, self.hosts[target], host_end)
             cut = trio.Event()
             muted = False

@@ -12,7 +12,6 @@ import h11
 import trio
 import trio.testing
 
-from tests.streams import socket_like_pair
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection, serve
 from trio_gym.runners import ExampleContext, ExampleRunner, Runner
@@ -209,7 +208,7 @@ def in_memory(nursery: trio.Nursery, host: Host) -> Any:
     """An opener that connects the client to ``host`` over memory streams (virtual time)."""
 
     async def open_stream(endpoint: Any) -> trio.abc.Stream:
-        client, server = socket_like_pair()
+        client, server = trio.testing.memory_stream_pair()
         nursery.start_soon(handle_connection, host, server)
         return client
 

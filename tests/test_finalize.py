@@ -264,7 +264,7 @@ async def test_a_caller_cancelled_while_its_request_is_written_cuts_no_line(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     async with trio.open_nursery() as nursery:
-        workers = FakeWorkers(nursery, serial=True, pipe_bytes=64)  # a full pipe: writes wait
+        workers = FakeWorkers(nursery, serial=True, full_pipe=True)  # writes wait
         records = finalizer(workers)
         await nursery.start(records.run)
         (worker,) = workers.started

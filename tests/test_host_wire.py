@@ -26,7 +26,7 @@ from tests.helpers import (
 )
 from trio_gym.config import ServeConfig
 from trio_gym.host.supervision import PROBE_DELAY_S, probe_delay_s
-from trio_gym.http import HttpConnection, HttpLimits
+from trio_gym.http import HttpConnection, HttpLimits, SocketTransport, StreamTransport
 
 HANG_GUARD_S = 30  # only a guard against a hang; no test asserts how long anything took
 
@@ -617,12 +617,12 @@ async def test_the_half_close_probe_waits_by_the_measured_round_trip() -> None:
         await server.receive_some(4)
         await server.send_all(b"pong")
         await client.receive_some(4)
-        over_tcp = HttpConnection(server, h11.SERVER, HttpLimits())
+        over_tcp = HttpConnection(SocketTransport(server.socket), h11.SERVER, HttpLimits())
         round_trip = over_tcp.round_trip_s()
         assert round_trip is not None and 0 < round_trip < PROBE_DELAY_S
         assert probe_delay_s(over_tcp) < PROBE_DELAY_S
     _, memory = trio.testing.memory_stream_pair()
-    in_memory = HttpConnection(memory, h11.SERVER, HttpLimits())
+    in_memory = HttpConnection(StreamTransport(memory, send_timeout_s=30), h11.SERVER, HttpLimits())
     assert in_memory.round_trip_s() is None
     assert probe_delay_s(in_memory) == PROBE_DELAY_S
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import h11
 import pytest
 import trio
@@ -19,27 +22,34 @@ from trio_gym.http import (
     send_body,
     send_empty,
 )
-from trio_gym.http.connection import UNYIELDING_BYTES
+from trio_gym.http.transport import STREAM_BUFFER_BYTES, SocketTransport, StreamTransport
 
 
-async def server_with_request(
+@asynccontextmanager
+async def served_request(
     request: bytes, limits: HttpLimits | None = None, *, lockstep: bool = False
-) -> tuple[HttpConnection, trio.abc.Stream, h11.Request]:
+) -> AsyncIterator[tuple[HttpConnection, trio.abc.Stream, h11.Request]]:
+    """A server connection over one of trio's own stream pairs with ``request`` read, its
+    transport's sender running as :func:`~trio_gym.host.handle_connection` runs it."""
+    limits = limits or HttpLimits()
     client, server = (
         trio.testing.lockstep_stream_pair() if lockstep else trio.testing.memory_stream_pair()
     )
-    conn = HttpConnection(server, h11.SERVER, limits or HttpLimits())
+    transport = StreamTransport(server, send_timeout_s=limits.send_timeout_s)
+    conn = HttpConnection(transport, h11.SERVER, limits)
     refusal: WireError | None = None
     async with trio.open_nursery() as nursery:
+        nursery.start_soon(transport.send_queued_forever)
         nursery.start_soon(client.send_all, request)
         try:
             head = await read_request_head(conn)
         except WireError as exc:
             refusal = exc
-            nursery.cancel_scope.cancel()
+        else:
+            yield conn, client, head
+        nursery.cancel_scope.cancel()
     if refusal is not None:
         raise refusal
-    return conn, client, head
 
 
 async def read_until(stream: trio.abc.ReceiveStream, end: bytes) -> bytes:
@@ -50,51 +60,58 @@ async def read_until(stream: trio.abc.ReceiveStream, end: bytes) -> bytes:
 
 
 async def test_a_write_cancelled_half_way_still_completes(autojump_clock: trio.abc.Clock) -> None:
-    conn, client, _ = await server_with_request(request_bytes(b"{}"), lockstep=True)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(read_until, client, b"\r\n\r\n")  # the head, then nothing more
-        body = await ChunkedBody.start(conn, 200, content_type="application/json")
+    async with served_request(request_bytes(b"{}"), lockstep=True) as (conn, client, _):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_until, client, b"\r\n\r\n")  # the head, then nothing more
+            body = await ChunkedBody.start(conn, 200, content_type="application/json")
 
-    received: list[bytes] = []
+        received: list[bytes] = []
 
-    async def reader_who_comes_back_at_10_s() -> None:
-        await trio.sleep(10)
-        received.append(await read_until(client, b"0\r\n\r\n"))
+        async def reader_who_comes_back_at_10_s() -> None:
+            await trio.sleep(10)
+            received.append(await read_until(client, b"0\r\n\r\n"))
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(reader_who_comes_back_at_10_s)
-        with trio.move_on_after(5):  # the heartbeat's owner is cancelled while its write waits
-            await body.send(b" ")
-        await body.finish()
-    # The cancelled heartbeat went out whole, then the zero-length chunk: framing intact.
-    assert received == [b"1\r\n \r\n0\r\n\r\n"]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader_who_comes_back_at_10_s)
+            with trio.move_on_after(5):  # the heartbeat's owner is cancelled while its write waits
+                await body.send(b" ")
+            await body.finish()
+        # The cancelled heartbeat went out whole, then the zero-length chunk: framing intact.
+        assert received == [b"1\r\n \r\n0\r\n\r\n"]
 
 
 async def test_a_shielded_write_is_bounded_by_send_timeout(autojump_clock: trio.abc.Clock) -> None:
     limits = HttpLimits(send_timeout_s=30)
-    conn, client, _ = await server_with_request(request_bytes(b"{}"), limits, lockstep=True)
-    start = trio.current_time()
-    with pytest.raises(ConnectionLost, match=r"did not read for 30 s"), trio.move_on_after(1):
-        await send_empty(conn, 200)  # nobody reads; cancelled at 1 s, given up at 30 s
-    assert trio.current_time() - start == 30
-    assert conn.lost
-    with pytest.raises(ConnectionLost):
-        await send_empty(conn, 200)
+    async with served_request(request_bytes(b"{}"), limits, lockstep=True) as (conn, client, _):
+        start = trio.current_time()
+        # More than the transport's buffer and the write its sender holds; nobody reads; it
+        # is cancelled at 1 s and given up at 30 s.
+        body = b"y" * (4 * STREAM_BUFFER_BYTES)
+        with pytest.raises(ConnectionLost, match=r"did not read for 30 s"), trio.move_on_after(1):
+            await send_body(conn, 200, body, content_type="text/plain")
+        assert trio.current_time() - start == 30
+        assert conn.lost
+        with pytest.raises(ConnectionLost):
+            await send_empty(conn, 200)
 
 
 @pytest.mark.parametrize("version", ["1.0", "1.1"])
 async def test_send_empty_frames_by_content_length_zero(version: str) -> None:
-    conn, client, _ = await server_with_request(request_bytes(method="OPTIONS", version=version))
-    await send_empty(conn, 200)
-    raw = await client.receive_some(1000)
-    assert b"\r\ncontent-length: 0\r\n" in raw
-    assert b"transfer-encoding" not in raw
+    async with served_request(request_bytes(method="OPTIONS", version=version)) as (
+        conn,
+        client,
+        _,
+    ):
+        await send_empty(conn, 200)
+        raw = await client.receive_some(1000)
+        assert b"\r\ncontent-length: 0\r\n" in raw
+        assert b"transfer-encoding" not in raw
 
 
 async def test_chunked_body_refuses_an_http_10_peer() -> None:
-    conn, _, _ = await server_with_request(request_bytes(b"{}", version="1.0"))
-    with pytest.raises(RuntimeError, match=r"HTTP/1\.1"):
-        await ChunkedBody.start(conn, 200, content_type="application/json")
+    async with served_request(request_bytes(b"{}", version="1.0")) as (conn, _, _):
+        with pytest.raises(RuntimeError, match=r"HTTP/1\.1"):
+            await ChunkedBody.start(conn, 200, content_type="application/json")
 
 
 async def test_the_head_limit_holds_even_when_the_head_arrives_in_one_read() -> None:
@@ -102,10 +119,12 @@ async def test_the_head_limit_holds_even_when_the_head_arrives_in_one_read() -> 
     base = request_bytes(method="GET", target="/health", headers=[("X-Pad", "")])
     fits = base.replace(b"X-Pad: ", b"X-Pad: " + b"a" * (1024 - len(base)))
     assert len(fits) == 1024
-    await server_with_request(fits, limits)
+    async with served_request(fits, limits):
+        pass
     too_big = fits.replace(b"X-Pad: ", b"X-Pad: a")
     with pytest.raises(WireError) as refusal:
-        await server_with_request(too_big, limits)
+        async with served_request(too_big, limits):
+            pass
     assert refusal.value.code is ErrorCode.HEADERS_TOO_LARGE
 
 
@@ -113,46 +132,48 @@ async def test_a_declared_length_over_the_limit_is_refused_before_reading_the_bo
     autojump_clock: trio.abc.Clock,
 ) -> None:
     # Only the head is sent: a refusal that waited for body bytes would never come.
-    conn, client, head = await server_with_request(
-        b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 101\r\n\r\n"
-    )
-    start = trio.current_time()
-    with pytest.raises(WireError) as refusal:
-        await read_body(conn, head, max_bytes=100, idle_timeout_s=5, advice="send less")
-    assert refusal.value.status == 413
-    assert refusal.value.message.endswith("; send less")
-    assert trio.current_time() == start
+    async with served_request(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 101\r\n\r\n") as (
+        conn,
+        client,
+        head,
+    ):
+        start = trio.current_time()
+        with pytest.raises(WireError) as refusal:
+            await read_body(conn, head, max_bytes=100, idle_timeout_s=5, advice="send less")
+        assert refusal.value.status == 413
+        assert refusal.value.message.endswith("; send less")
+        assert trio.current_time() == start
 
 
 async def test_a_chunked_body_is_refused_as_soon_as_it_grows_past_the_limit() -> None:
-    conn, client, head = await server_with_request(
+    async with served_request(
         b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + b"3c\r\n" + b"x" * 60
-    )
-    with pytest.raises(WireError) as refusal:
-        await read_body(conn, head, max_bytes=50, idle_timeout_s=5)
-    assert refusal.value.status == 413
+    ) as (conn, client, head):
+        with pytest.raises(WireError) as refusal:
+            await read_body(conn, head, max_bytes=50, idle_timeout_s=5)
+        assert refusal.value.status == 413
 
 
 async def test_send_timeout_bounds_a_stall_not_a_slow_steady_reader(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     limits = HttpLimits(send_timeout_s=1)
-    conn, client, _ = await server_with_request(request_bytes(b"{}"), limits, lockstep=True)
-    received = bytearray()
+    async with served_request(request_bytes(b"{}"), limits, lockstep=True) as (conn, client, _):
+        received = bytearray()
 
-    async def slow_reader() -> None:
-        while True:  # 64 KiB every 0.1 s: 640 KiB/s, so a 2 MiB body takes over 3 s
-            data = await client.receive_some(64 * 1024)
-            if not data:
-                return
-            received.extend(data)
-            await trio.sleep(0.1)
+        async def slow_reader() -> None:
+            while True:  # 64 KiB every 0.1 s: 640 KiB/s, so a 2 MiB body takes over 3 s
+                data = await client.receive_some(64 * 1024)
+                if not data:
+                    return
+                received.extend(data)
+                await trio.sleep(0.1)
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(slow_reader)
-        await send_body(conn, 200, b"y" * (2 * 1024 * 1024), content_type="text/plain")
-        await conn.aclose()
-    assert received.endswith(b"y" * 1000) and len(received) > 2 * 1024 * 1024
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slow_reader)
+            await send_body(conn, 200, b"y" * (2 * 1024 * 1024), content_type="text/plain")
+            await conn.aclose()
+        assert received.endswith(b"y" * 1000) and len(received) > 2 * 1024 * 1024
 
 
 async def test_a_body_larger_than_the_socket_buffer_arrives_whole_over_tcp() -> None:
@@ -176,7 +197,7 @@ async def test_a_body_larger_than_the_socket_buffer_arrives_whole_over_tcp() -> 
         async with listeners[0], trio.open_nursery() as nursery:
             await nursery.start(reader)
             server = await listeners[0].accept()
-            conn = HttpConnection(server, h11.SERVER, HttpLimits())
+            conn = HttpConnection(SocketTransport(server.socket), h11.SERVER, HttpLimits())
             await read_request_head(conn)
             await send_body(conn, 200, body, content_type="application/octet-stream")
             await conn.aclose()
@@ -193,7 +214,7 @@ async def _chunked_answer_over_a_socketpair(
     server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     client_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     server, client = trio.SocketStream(server_sock), trio.SocketStream(client_sock)
-    conn = HttpConnection(server, h11.SERVER, limits)
+    conn = HttpConnection(SocketTransport(server.socket), h11.SERVER, limits)
     await client.send_all(request_bytes(b"{}"))
     head = await read_request_head(conn)
     await read_body(conn, head, max_bytes=100, idle_timeout_s=5)
@@ -259,7 +280,9 @@ async def test_a_request_read_whole_is_closed_without_waiting_for_the_callers_cl
     """Nothing unread, nothing arriving: the close sends no reset, so the caller's end-of-file
     is not waited for (a round trip per answer, and the drain's timer)."""
     server, client = await _tcp_pair()
-    conn = HttpConnection(server, h11.SERVER, HttpLimits(drain_timeout_s=3600))
+    conn = HttpConnection(
+        SocketTransport(server.socket), h11.SERVER, HttpLimits(drain_timeout_s=3600)
+    )
     async with client:
         await client.send_all(request_bytes(b"{}"))
         head = await read_request_head(conn)
@@ -273,20 +296,20 @@ async def test_a_request_read_whole_is_closed_without_waiting_for_the_callers_cl
     assert reply.endswith(b"\r\n\r\nwhole")
 
 
-async def test_a_short_exchange_takes_no_trip_through_the_scheduler_and_a_long_one_does() -> None:
-    """Reads and writes that the socket allows at once skip the scheduler for the first
-    UNYIELDING_BYTES of a connection; past them each write is a checkpoint again, so one fast
-    peer cannot keep its task from yielding to the others."""
+async def test_every_read_and_write_of_a_short_exchange_is_a_checkpoint() -> None:
+    """Data already in the socket and room in its buffer still yield to the scheduler: every
+    async call is a checkpoint, however little it has to wait."""
     server_sock, client_sock = trio.socket.socketpair()
     server, client = trio.SocketStream(server_sock), trio.SocketStream(client_sock)
-    conn = HttpConnection(server, h11.SERVER, HttpLimits())
+    conn = HttpConnection(SocketTransport(server.socket), h11.SERVER, HttpLimits())
     async with client, server:
         await client.send_all(request_bytes(b"{}"))
-        with trio.testing.assert_no_checkpoints():
+        await trio.sleep(0.01)  # the whole request is in the socket
+        with trio.testing.assert_checkpoints():
             head = await read_request_head(conn)
+        with trio.testing.assert_checkpoints():
             await read_body(conn, head, max_bytes=100, idle_timeout_s=5)
+        with trio.testing.assert_checkpoints():
             body = await ChunkedBody.start(conn, 200, content_type="text/plain")
-            await body.send(b"x" * (UNYIELDING_BYTES // 2))
-        await body.send(b"x" * (UNYIELDING_BYTES // 2))
         with trio.testing.assert_checkpoints():
             await body.send(b"y")

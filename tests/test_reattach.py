@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import trio
+import trio.testing
 
 from tests.helpers import (
     CountingRunner,
@@ -18,7 +20,6 @@ from tests.helpers import (
     running_host,
     tcp_exchange,
 )
-from tests.streams import SocketLikeStream, socket_like_pair
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
 from trio_gym.runners import ExampleRunner
@@ -46,8 +47,8 @@ async def keyed_host(runner: CountingRunner, **config: Any) -> AsyncIterator[Any
     async with trio.open_nursery() as nursery:
         await nursery.start(host.keyed.serve)  # what serve() runs among the host's services
 
-        def connect() -> SocketLikeStream:
-            client, server = socket_like_pair()
+        def connect() -> trio.abc.Stream:
+            client, server = trio.testing.memory_stream_pair()
             nursery.start_soon(handle_connection, host, server)
             return client
 
@@ -227,9 +228,9 @@ async def test_an_answer_whose_caller_may_come_back_is_kept_over_the_bytes_bound
     async with keyed_host(runner, answer_retention_bytes=700) as (host, connect):
         first = await exchange(connect(), keyed(batch(think_s=1), "k1"))
         assert first.status == 200 and 400 < len(first.body) < 700
-        slow_client, slow_server = socket_like_pair(capacity=0)  # reads nothing: k1 is pinned
+        slow_client, slow_server = trio.testing.lockstep_stream_pair()  # reads nothing: k1 pinned
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(handle_connection, host, slow_server)
+            nursery.start_soon(partial(handle_connection, host, slow_server, buffer_bytes=1))
             await slow_client.send_all(keyed(batch(think_s=1), "k1"))
             cut = connect()
             await cut.send_all(keyed(batch(think_s=10, meetings=1), "k2"))

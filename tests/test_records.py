@@ -9,6 +9,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import pytest
@@ -18,7 +19,6 @@ import trio.testing
 from tests.fake_finalizer import FakeWorkers, default_behaviour
 from tests.fake_gym import FakeAgentServer, FakeHeadServer, agent_instance
 from tests.helpers import read_reply, request_bytes, running_host, tcp_exchange
-from tests.streams import socket_like_pair
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
 from trio_gym.runners import AgentSettings, AgentsRunner
@@ -134,12 +134,15 @@ async def test_a_row_whose_line_never_reaches_its_caller_keeps_its_snapshot(
         runner = AgentsRunner(settings, opener=open_stream, finalizer_worker=workers.start)
         await nursery.start(runner.serve)
         host = Host(ServeConfig(port=0, send_timeout_s=30), runner=runner)
-        # A caller that reads nothing: the head fits in what the connection buffers, the row's
-        # line does not.
-        caller, served = socket_like_pair(capacity=200)
-        nursery.start_soon(handle_connection, host, served)
+        # A caller that reads the head and nothing more: the row's line does not fit in what
+        # the connection buffers.
+        caller, served = trio.testing.lockstep_stream_pair()
+        nursery.start_soon(partial(handle_connection, host, served, buffer_bytes=200))
         with trio.fail_after(600):
             await caller.send_all(request_bytes({"examples": [row(delay_s=1)]}, headers=ROWS))
+            answer = b""
+            while not answer.endswith(b"\r\n\r\n"):
+                answer += await caller.receive_some(1)
             await workers.wait_for("finish", 1)
             await trio.sleep(60)  # past send_timeout_s: the host has given the caller up
         nursery.cancel_scope.cancel()

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
+from functools import partial
 from typing import Any
 
 import trio
 import trio.testing
 
 from tests.helpers import CountingRunner, ScriptedRunner, exchange, request_bytes
-from tests.streams import socket_like_pair
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
 
@@ -22,7 +22,7 @@ def lines_of(body: bytes) -> list[Any]:
 
 async def stream(host: Host, request: dict[str, Any], **kwargs: Any) -> Any:
     async with trio.open_nursery() as nursery:
-        client, server = socket_like_pair()
+        client, server = trio.testing.memory_stream_pair()
         nursery.start_soon(handle_connection, host, server)
         return await exchange(client, request_bytes(request, headers=ROWS, **kwargs))
 
@@ -87,10 +87,10 @@ async def test_a_batch_stopped_by_its_deadline_ends_with_an_error_done_line(
 async def test_a_caller_that_stops_reading_cancels_the_rest(autojump_clock: trio.abc.Clock) -> None:
     runner = CountingRunner()
     host = Host(ServeConfig(port=0, heartbeat_interval_s=1000, send_timeout_s=30), runner=runner)
-    client, server = socket_like_pair(capacity=0)
+    client, server = trio.testing.lockstep_stream_pair()  # one byte in flight, as a full socket
     examples = [{"seed": i, "meetings": 1, "think_s": 10 if i == 0 else 1000} for i in range(4)]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(handle_connection, host, server)
+        nursery.start_soon(partial(handle_connection, host, server, buffer_bytes=1))
         await client.send_all(request_bytes({"examples": examples}, headers=ROWS))
         head = b""
         while not head.endswith(b"\r\n\r\n"):  # the head, then nothing more
@@ -118,7 +118,7 @@ async def test_accept_with_parameters_and_alternatives_selects_rows(
 ) -> None:
     host = Host(ServeConfig(port=0), runner=CountingRunner())
     async with trio.open_nursery() as nursery:
-        client, server = socket_like_pair()
+        client, server = trio.testing.memory_stream_pair()
         nursery.start_soon(handle_connection, host, server)
         headers = [("Accept", "application/json;q=0.5, Application/X-NDJSON; q=1")]
         reply = await exchange(client, request_bytes({"examples": [{"seed": 1}]}, headers=headers))
@@ -142,13 +142,13 @@ async def test_a_row_finished_before_the_deadline_is_delivered_to_a_slow_reader(
 ) -> None:
     runner = CountingRunner()
     host = Host(ServeConfig(port=0, heartbeat_interval_s=5), runner=runner)
-    client, server = socket_like_pair(capacity=0)
+    client, server = trio.testing.lockstep_stream_pair()  # one byte in flight, as a full socket
     examples = [
         {"seed": 0, "meetings": 1, "think_s": 10},
         {"seed": 1, "meetings": 1, "think_s": 100},
     ]
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(handle_connection, host, server)
+        nursery.start_soon(partial(handle_connection, host, server, buffer_bytes=1))
         await client.send_all(request_bytes({"examples": examples, "deadline_s": 12}, headers=ROWS))
         head = b""
         while not head.endswith(b"\r\n\r\n"):

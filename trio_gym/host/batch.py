@@ -7,7 +7,7 @@ import itertools
 import logging
 import secrets
 import traceback
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import attrs
@@ -157,37 +157,22 @@ class AttemptRetired(Exception):
     """The control plane retired this attempt while it ran."""
 
 
-def run_examples(
+async def run_examples(
     host: Host,
     examples: Sequence[Mapping[str, Any]],
     episodes: Sequence[LiveEpisode],
     finished: Finished,
     failed: Callable[[int, ExampleFailed], None] | None = None,
     row_offset: int = 0,
-) -> Awaitable[None]:
-    """Run every admitted episode's example at once; ``finished(index, result, deliveries)`` as
-    each ends. ``row_offset`` is the position of the first example in the caller's whole input.
+) -> None:
+    """Run every admitted episode's example at once, each in its own task of one nursery;
+    ``finished(index, result, deliveries)`` as each ends. ``row_offset`` is the position of the
+    first example in the caller's whole input.
 
     With ``failed``, a failure is handed to it and the others run on (the per-row answer).
-    Without, it raises :class:`ExampleFailed` (in an ``ExceptionGroup`` when several ran: every
-    other example is then cancelled). Cancelling the caller cancels every example. A batch of
-    one runs in the caller's task: no nursery, no task, and not even a frame of this function
-    (it hands back the example's own coroutine), for the commonest batch.
+    Without, it raises :class:`ExampleFailed` in an ``ExceptionGroup`` (every other example is
+    then cancelled), however many ran. Cancelling the caller cancels every example.
     """
-    if len(episodes) == 1:
-        only = episodes[0]
-        return run_example(host, examples[only.index], only, finished, failed, row_offset)
-    return _run_together(host, examples, episodes, finished, failed, row_offset)
-
-
-async def _run_together(
-    host: Host,
-    examples: Sequence[Mapping[str, Any]],
-    episodes: Sequence[LiveEpisode],
-    finished: Finished,
-    failed: Callable[[int, ExampleFailed], None] | None,
-    row_offset: int,
-) -> None:
     async with trio.open_nursery() as nursery:
         for live in episodes:
             example = examples[live.index]

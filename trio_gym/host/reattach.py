@@ -98,8 +98,6 @@ class LogBody:
     """A chunked answer's body written into an :class:`AnswerLog` (what a batch writes to a
     caller's :class:`~trio_gym.http.ChunkedBody` otherwise); it never blocks."""
 
-    can_send_nowait = True
-
     def __init__(self, log: AnswerLog) -> None:
         self.log = log
 

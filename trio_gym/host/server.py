@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import hmac
 import logging
-import os
-import socket
 import urllib.parse
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -21,11 +19,13 @@ from trio_gym.files import write_whole
 from trio_gym.http import (
     ConnectionLost,
     HttpConnection,
-    WritesWithoutWaiting,
+    StreamTransport,
     read_request_head,
     send_empty,
     send_json,
+    transport_of,
 )
+from trio_gym.http.transport import STREAM_BUFFER_BYTES
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import path
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER
@@ -158,7 +158,9 @@ async def _refuse(host: Host, conn: HttpConnection, error: WireError, *, busy: b
     await send_json(conn, refusal.status, refusal.envelope(), headers=refusal.headers)
 
 
-async def handle_connection(host: Host, stream: trio.abc.Stream) -> None:
+async def handle_connection(
+    host: Host, stream: trio.abc.Stream, *, buffer_bytes: int = STREAM_BUFFER_BYTES
+) -> None:
     """Own one connection from accept to close: one request, one answer, a graceful close.
 
     Up to ``max_connections`` are served in full. Beyond that, a bounded overflow is answered
@@ -167,24 +169,36 @@ async def handle_connection(host: Host, stream: trio.abc.Stream) -> None:
     whatever a caller sends, the server outlives it. A bug surfacing here is logged with its
     traceback, and answered 500 if no answer has started.
 
-    ``stream`` is a ``trio.SocketStream`` or a stream that
-    :class:`~trio_gym.http.WritesWithoutWaiting`: heartbeats are written without waiting, one
-    system call each. Any other stream is a bug of the embedder (``TypeError``, before a byte).
+    ``stream`` is any trio stream. A socket's bytes are written and read directly; another
+    stream's writes are queued, up to ``buffer_bytes`` (:class:`~trio_gym.http.StreamTransport`),
+    and sent by a task of this connection's own beside the one answering.
     """
-    if not isinstance(stream, trio.SocketStream | WritesWithoutWaiting):
-        raise TypeError(
-            f"the host writes heartbeats without waiting and cannot do so on a "
-            f"{type(stream).__name__}; serve a trio.SocketStream (or a WritesWithoutWaiting)"
-        )
     admission = host.admit_connection()
     if admission is None:
         log_event("connection_dropped", reason="the connection cap and its overflow are full")
         await stream.aclose()
         return
     busy = admission is host.overflow_slots
-    conn = HttpConnection(stream, h11.SERVER, host.refusal_limits if busy else host.limits)
+    limits = host.refusal_limits if busy else host.limits
+    transport = transport_of(
+        stream, send_timeout_s=limits.send_timeout_s, buffer_bytes=buffer_bytes
+    )
     try:
-        try:  # read the request and answer it (here, not in a function: a frame per held batch)
+        if isinstance(transport, StreamTransport):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(transport.send_queued_forever)
+                await _answer(host, HttpConnection(transport, h11.SERVER, limits), busy=busy)
+                nursery.cancel_scope.cancel()
+        else:
+            await _answer(host, HttpConnection(transport, h11.SERVER, limits), busy=busy)
+    finally:
+        host.release_connection(admission)
+
+
+async def _answer(host: Host, conn: HttpConnection, *, busy: bool) -> None:
+    """Read the request, answer it, close. Never raises (but ``Cancelled``)."""
+    try:
+        try:
             head = await read_request_head(conn)
             await _route(host, head, busy=busy)(host, conn, head)
         except WireError as error:
@@ -196,7 +210,6 @@ async def handle_connection(host: Host, stream: trio.abc.Stream) -> None:
         log_event("connection_failed", level=logging.ERROR, exc_info=True)
         await _answer_internal_error(conn)
     finally:
-        host.release_connection(admission)  # before any await: a cancelled close must not leak it
         await conn.aclose()
 
 
@@ -206,49 +219,6 @@ async def _answer_internal_error(conn: HttpConnection) -> None:
     error = WireError(ErrorCode.INTERNAL, "the host failed unexpectedly; its log has the details")
     with contextlib.suppress(ConnectionLost):
         await send_json(conn, error.status, error.envelope())
-
-
-# accept() errors that mean "out of file descriptors or memory for now": wait, then retry.
-_ACCEPT_LATER_ERRNOS: Final = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
-ACCEPT_RETRY_S: Final = 0.1
-ACCEPTS_PER_WAKE: Final = 64
-
-
-async def accept_connections(
-    host: Host, listener: trio.SocketListener, connections: trio.Nursery
-) -> None:
-    """Accept forever, each connection handled in ``connections``.
-
-    Every connection waiting is accepted in one go after one wake-up (at most
-    ``ACCEPTS_PER_WAKE``), where ``SocketListener.accept`` takes a trip through the scheduler
-    for each; and ``trio.serve_listeners`` would also close every stream forcefully after its
-    handler (a cancelled checkpoint, an exception raised and caught, per connection) though
-    :func:`handle_connection` has always closed it already.
-    """
-    async with listener:
-        # A second descriptor of the listening socket, as a standard socket: its accept() does
-        # not wait (the listening socket is non-blocking) and is not a checkpoint.
-        with socket.socket(fileno=os.dup(listener.socket.fileno())) as accepting:
-            while True:
-                await trio.lowlevel.wait_readable(accepting)
-                for _ in range(ACCEPTS_PER_WAKE):
-                    try:
-                        accepted, _ = accepting.accept()
-                    except BlockingIOError:
-                        break
-                    except OSError as exc:
-                        if exc.errno not in _ACCEPT_LATER_ERRNOS:
-                            raise
-                        log_event(
-                            "accept_failed",
-                            level=logging.ERROR,
-                            error=str(exc),
-                            retry_s=ACCEPT_RETRY_S,
-                        )
-                        await trio.sleep(ACCEPT_RETRY_S)
-                        break
-                    stream = trio.SocketStream(trio.socket.from_stdlib_socket(accepted))
-                    connections.start_soon(handle_connection, host, stream)
 
 
 def write_port_file(path: Path, port: int) -> None:
@@ -298,8 +268,14 @@ async def serve(
             async with trio.open_nursery() as server_tasks:
                 server_tasks.start_soon(host.bootstrap, services)
                 server_tasks.start_soon(host.checkpoints.watch_lease)
-                for listener in listeners:
-                    server_tasks.start_soon(accept_connections, host, listener, connections)
+                server_tasks.start_soon(
+                    partial(
+                        trio.serve_listeners,
+                        partial(handle_connection, host),
+                        listeners,
+                        handler_nursery=connections,
+                    )
+                )
                 log_event("listening", host=config.host, port=port)
                 task_status.started(port)
                 await host.shutdown_requested.wait()

@@ -16,7 +16,7 @@ from trio_gym.http.client import (
     open_tcp,
     read_response_head,
 )
-from trio_gym.http.connection import ConnectionLost, HttpConnection, WritesWithoutWaiting
+from trio_gym.http.connection import HttpConnection
 from trio_gym.http.limits import HttpLimits
 from trio_gym.http.messages import (
     ChunkedBody,
@@ -27,6 +27,13 @@ from trio_gym.http.messages import (
     send_body,
     send_empty,
     send_json,
+)
+from trio_gym.http.transport import (
+    ConnectionLost,
+    SocketTransport,
+    StreamTransport,
+    Transport,
+    transport_of,
 )
 
 __all__ = [
@@ -41,7 +48,9 @@ __all__ = [
     "NoResponse",
     "Response",
     "StreamOpener",
-    "WritesWithoutWaiting",
+    "SocketTransport",
+    "StreamTransport",
+    "Transport",
     "declared_length",
     "encode_json",
     "exchange",
@@ -53,4 +62,5 @@ __all__ = [
     "send_body",
     "send_empty",
     "send_json",
+    "transport_of",
 ]

@@ -25,9 +25,10 @@ import h11
 import trio
 
 from trio_gym.errors import WireError, without_userinfo
-from trio_gym.http.connection import ConnectionLost, HttpConnection
+from trio_gym.http.connection import HttpConnection
 from trio_gym.http.limits import HttpLimits
 from trio_gym.http.messages import read_body, send_message
+from trio_gym.http.transport import ConnectionLost, transport_of
 
 # A request body up to this size is sent before the answer is read, not beside it.
 SMALL_UPLOAD_BYTES: Final = 64 * 1024
@@ -164,13 +165,12 @@ class ClientExchange:
                 raise ConnectFailed(
                     f"could not connect to {endpoint.authority}: {exc}", refused=refused
                 ) from exc
-            conn = HttpConnection(stream, h11.CLIENT, limits, request_version=request_version)
+            transport = transport_of(stream, send_timeout_s=limits.send_timeout_s)
+            conn = HttpConnection(transport, h11.CLIENT, limits, request_version=request_version)
             return cls(conn, endpoint)
         raise ConnectFailed(
             f"could not connect to {endpoint.authority} within {connect_timeout_s:g} s"
         )
-        conn = HttpConnection(stream, h11.CLIENT, limits, request_version=request_version)
-        return cls(conn, endpoint)
 
     async def __aenter__(self) -> ClientExchange:
         return self
@@ -262,19 +262,19 @@ class ClientExchange:
         Raises :class:`BodyFailed` if the body is cut short or nothing arrives for
         ``idle_timeout_s``.
         """
-        with trio.move_on_after(idle_timeout_s):
-            try:
-                event = await self.conn.next_event()
-            except (ConnectionLost, h11.RemoteProtocolError) as exc:
-                raise BodyFailed(f"the body was cut short: {exc}", status=head.status_code) from exc
-            if isinstance(event, h11.Data):
-                return bytes(event.data)
-            if isinstance(event, h11.EndOfMessage):
-                return None
-            raise BodyFailed(f"the body ended early ({event!r})", status=head.status_code)
-        raise BodyFailed(
-            f"no byte of the body arrived for {idle_timeout_s:g} s", status=head.status_code
-        )
+        try:
+            event = await self.conn.next_event(idle_timeout_s)
+        except (ConnectionLost, h11.RemoteProtocolError) as exc:
+            raise BodyFailed(f"the body was cut short: {exc}", status=head.status_code) from exc
+        if event is None:
+            raise BodyFailed(
+                f"no byte of the body arrived for {idle_timeout_s:g} s", status=head.status_code
+            )
+        if isinstance(event, h11.Data):
+            return bytes(event.data)
+        if isinstance(event, h11.EndOfMessage):
+            return None
+        raise BodyFailed(f"the body ended early ({event!r})", status=head.status_code)
 
 
 async def exchange(

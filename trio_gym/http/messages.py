@@ -23,7 +23,8 @@ import h11
 import trio
 
 from trio_gym.errors import ErrorCode, WireError
-from trio_gym.http.connection import ConnectionLost, HttpConnection
+from trio_gym.http.connection import HttpConnection
+from trio_gym.http.transport import ConnectionLost
 
 Headers = Sequence[tuple[str, str]]
 
@@ -152,10 +153,6 @@ class ChunkedBody:
             raise ValueError("an empty chunk cannot be sent; finish() ends the body")
         await self._conn.send(*_data_events(data))
 
-    @property
-    def can_send_nowait(self) -> bool:
-        return self._conn.can_send_nowait
-
     def send_nowait(self, data: bytes) -> bool:
         """Send ``data`` as a chunk now if it can be done without waiting (see
         :meth:`HttpConnection.send_nowait`); False if it was not sent."""
@@ -203,10 +200,7 @@ async def read_request_head(conn: HttpConnection) -> h11.Request:
     """
     timeout = conn.limits.read_timeout_s
     try:
-        event = conn.next_event_nowait()
-        if event is None:
-            with trio.move_on_after(timeout):
-                event = await conn.next_event()
+        event = await conn.next_event(timeout)
     except h11.RemoteProtocolError as exc:
         raise refusal_for(exc) from exc
     if event is None:
@@ -266,17 +260,14 @@ async def read_body(
     body = bytearray()
     started = trio.current_time()
     while True:
+        wait = idle_timeout_s
+        if min_rate is not None:
+            allowed = started + idle_timeout_s + len(body) / min_rate - trio.current_time()
+            wait = min(wait, allowed)
         try:
-            event = conn.next_event_nowait()
-            if event is None:  # a timer only when there is something to wait for
-                wait = idle_timeout_s
-                if min_rate is not None:
-                    allowed = started + idle_timeout_s + len(body) / min_rate - trio.current_time()
-                    wait = min(wait, allowed)
-                with trio.move_on_after(wait):
-                    event = await conn.next_event()
-                if event is None:
-                    raise _too_slow(wait < idle_timeout_s, idle_timeout_s, min_rate, len(body))
+            event = await conn.next_event(wait)
+            if event is None:
+                raise _too_slow(wait < idle_timeout_s, idle_timeout_s, min_rate, len(body))
         except h11.RemoteProtocolError as exc:
             raise WireError(ErrorCode.INVALID_REQUEST, f"malformed body: {exc}") from exc
         if isinstance(event, h11.Data):
