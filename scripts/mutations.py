@@ -353,9 +353,9 @@ MUTATIONS = [
     Mutation(
         "the connection slot released after an await (leaks when cancelled)",
         "trio_gym/host/server.py",
-        "        host.release_connection(admission)  # before any await: a cancelled close must not leak it\n"
-        "        await conn.aclose()",
-        "        await conn.aclose()\n        host.release_connection(admission)",
+        "    finally:\n        host.release_connection(admission)\n\n\nasync def handle_socket",
+        "    finally:\n        await trio.lowlevel.checkpoint()\n        host.release_connection(admission)"
+        "\n\n\nasync def handle_socket",
         ("tests/test_host_clock.py::test_a_cancelled_connection_gives_back_its_slot",),
     ),
     Mutation(
@@ -686,8 +686,8 @@ MUTATIONS = [
     Mutation(
         "what the kernel took at once is written again",
         "trio_gym/http/connection.py",
-        "        data = data[sent:]",
-        "        data = data",
+        "        data = data[self._write_now(data) :]\n        transport = self._transport",
+        "        self._write_now(data)\n        transport = self._transport",
         (
             "tests/test_http_mechanics.py::test_a_body_larger_than_the_socket_buffer_arrives_whole_over_tcp",
         ),
@@ -799,13 +799,11 @@ MUTATIONS = [
         ("tests/test_host_clock.py::test_heartbeats_ride_the_hosts_pacer_or_one_the_batch_owns",),
     ),
     Mutation(
-        "a stream that must be awaited is served, and its heartbeats are never written (#15)",
+        "a stream's transport has no sender beside its connection: heartbeats stay queued (#25)",
         "trio_gym/host/server.py",
-        "    if not isinstance(stream, trio.SocketStream | WritesWithoutWaiting):",
-        "    if False:",
-        (
-            "tests/test_host_clock.py::test_a_stream_that_cannot_be_written_without_waiting_is_refused",
-        ),
+        "            nursery.start_soon(transport.send_queued_forever)",
+        "            pass",
+        ("tests/test_host_clock.py::test_heartbeat_cadence_over_a_30_minute_batch",),
     ),
     Mutation(
         "the gate lets dispatchers through while closed",
@@ -1782,7 +1780,7 @@ MUTATIONS = [
     ),
     Mutation(
         "the round trip read from the wrong field of tcp_info (tcpi_rto) (#17)",
-        "trio_gym/http/connection.py",
+        "trio_gym/http/transport.py",
         "_TCPI_RTT_OFFSET: Final = 8 + 15 * 4",
         "_TCPI_RTT_OFFSET: Final = 8 + 0 * 4",
         ("tests/test_host_wire.py::test_the_half_close_probe_waits_by_the_measured_round_trip",),
@@ -1815,8 +1813,8 @@ MUTATIONS = [
     Mutation(
         "a close always waits for the caller's end-of-file (#17)",
         "trio_gym/http/connection.py",
-        "            drain = not (self._lost or self._closed or self._nothing_unread())",
-        "            drain = not (self._lost or self._closed)",
+        "            if not (self._lost or self._closed or self._nothing_unread()):",
+        "            if not (self._lost or self._closed):",
         (
             "tests/test_http_mechanics.py::test_a_request_read_whole_is_closed_without_waiting_for_the_callers_close",
         ),
@@ -1824,26 +1822,33 @@ MUTATIONS = [
     Mutation(
         "a close at once though the caller's body is still arriving (#17)",
         "trio_gym/http/connection.py",
-        "        if not (self.peer_is_done_sending or self.eof_received):\n            return False",
-        "        if False:\n            return False",
+        "        if self._h11.trailing_data[0] or not (self.peer_is_done_sending or self.eof_received):",
+        "        if self._h11.trailing_data[0]:",
         ("tests/test_host_wire.py::test_a_413_survives_a_body_that_starts_after_the_answer",),
     ),
     Mutation(
-        "a connection never yields however much it reads and writes (#17)",
+        "a read whose event is already here is not a checkpoint (#25)",
         "trio_gym/http/connection.py",
-        "UNYIELDING_BYTES: Final = 64 * 1024",
-        "UNYIELDING_BYTES: Final = 1 << 62",
+        "            await trio.lowlevel.checkpoint()\n            return event",
+        "            return event",
         (
-            "tests/test_http_mechanics.py::test_a_short_exchange_takes_no_trip_through_the_scheduler_and_a_long_one_does",
+            "tests/test_http_mechanics.py::test_every_read_and_write_of_a_short_exchange_is_a_checkpoint",
         ),
     ),
     Mutation(
-        "every send takes a trip through the scheduler (#17)",
+        "an async write leaves what a stream's transport queued for a wait no one makes (#25)",
         "trio_gym/http/connection.py",
-        "        if self._send_lock.locked() or self._unyielding_left <= 0:",
-        "        if True:",
+        "        if not data and not transport.queued_bytes:",
+        "        if not data:",
+        ("tests/test_client.py::test_the_head_timeout_starts_when_the_upload_ends_not_before",),
+    ),
+    Mutation(
+        "a stream's transport queues without bound: a caller that stops reading is never given up (#25)",
+        "trio_gym/http/transport.py",
+        "        taken = max(0, min(len(data), self._buffer_bytes - len(self._queued)))",
+        "        taken = len(data)",
         (
-            "tests/test_http_mechanics.py::test_a_short_exchange_takes_no_trip_through_the_scheduler_and_a_long_one_does",
+            "tests/test_host_clock.py::test_caller_that_stops_reading_is_given_up_and_its_examples_cancelled",
         ),
     ),
     Mutation(
