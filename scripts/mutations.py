@@ -71,7 +71,15 @@ MUTATIONS = [
         (
             "tests/test_http_mechanics.py::test_a_write_cancelled_half_way_still_completes",
             "tests/test_http_mechanics.py::test_a_shielded_write_is_bounded_by_send_timeout",
+            "tests/test_http_mechanics.py::test_a_socket_write_cancelled_half_way_still_completes",
         ),
+    ),
+    Mutation(
+        "a stream transport's send unshielded: a cancelled wait cuts a chunk (#25)",
+        "trio_gym/http/transport.py",
+        "                with trio.CancelScope(shield=True):\n",
+        "                with trio.CancelScope(shield=False):\n",
+        ("tests/test_http_mechanics.py::test_a_write_cancelled_half_way_still_completes",),
     ),
     Mutation(
         "close without draining (reset destroys the 413)",

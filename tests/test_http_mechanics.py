@@ -313,3 +313,34 @@ async def test_every_read_and_write_of_a_short_exchange_is_a_checkpoint() -> Non
             body = await ChunkedBody.start(conn, 200, content_type="text/plain")
         with trio.testing.assert_checkpoints():
             await body.send(b"y")
+
+
+async def test_a_socket_write_cancelled_half_way_still_completes() -> None:
+    """The write span's shield on a socket: cancelled while the kernel's buffer is full, the
+    chunk still goes out whole before the next one (a stream's transport shields its own sends;
+    a socket's has only the connection's shield)."""
+    body, conn, client = await _chunked_answer_over_a_socketpair(HttpLimits())
+    piece = b"x" * 200_000
+    received = bytearray()
+
+    async def reader_who_comes_back_later() -> None:
+        await trio.sleep(0.5)
+        while data := await client.receive_some(65536):
+            received.extend(data)
+
+    async with client, trio.open_nursery() as nursery:
+        nursery.start_soon(reader_who_comes_back_later)
+        with trio.move_on_after(0.2):  # the buffer is full long before
+            await body.send(piece)
+        await body.finish(b"end")
+        await conn.aclose()
+    decoded = h11.Connection(h11.CLIENT)
+    decoded.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+    decoded.send(h11.EndOfMessage())
+    decoded.receive_data(bytes(received))
+    decoded.receive_data(b"")
+    data = bytearray()
+    while not isinstance(event := decoded.next_event(), h11.EndOfMessage):
+        if isinstance(event, h11.Data):
+            data += event.data
+    assert bytes(data) == piece + b"end"
