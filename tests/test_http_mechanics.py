@@ -344,3 +344,14 @@ async def test_a_socket_write_cancelled_half_way_still_completes() -> None:
         if isinstance(event, h11.Data):
             data += event.data
     assert bytes(data) == piece + b"end"
+
+
+async def test_a_stream_transport_queues_no_more_than_its_buffer() -> None:
+    """Writes without waiting to a stream whose peer reads nothing stop at ``buffer_bytes``, as a
+    socket's stop at its kernel buffer: a heartbeat cannot grow memory without bound."""
+    _, server = trio.testing.lockstep_stream_pair()
+    transport = StreamTransport(server, send_timeout_s=30, buffer_bytes=1000)
+    assert transport.write_now(b"x" * 600) == 600
+    assert transport.write_now(b"x" * 600) == 400
+    assert transport.write_now(b"x") == 0
+    assert transport.queued_bytes == 1000
