@@ -433,8 +433,8 @@ MUTATIONS = [
     Mutation(
         "no concurrency bound per agent server",
         "trio_gym/runners/agents.py",
-        "trio.CapacityLimiter(self.settings.max_connections)",
-        "trio.CapacityLimiter(10**6)",
+        "                trio.CapacityLimiter(limit),",
+        "                trio.CapacityLimiter(10**6),",
         ("tests/test_agents.py::test_concurrency_toward_one_agent_server_is_bounded",),
     ),
     Mutation(
@@ -1826,6 +1826,45 @@ MUTATIONS = [
         "        if self._h11.trailing_data[0] or not (self.peer_is_done_sending or self.eof_received):",
         "        if self._h11.trailing_data[0]:",
         ("tests/test_host_wire.py::test_a_413_survives_a_body_that_starts_after_the_answer",),
+    ),
+    Mutation(
+        "a kept-alive connection never goes back to its pool (#25)",
+        "trio_gym/http/client.py",
+        "            kept = len(self._idle) < self._max_idle and opened.conn.start_next_request()",
+        "            kept = False",
+        ("tests/test_connection_pool.py::test_requests_one_after_another_share_one_connection",),
+    ),
+    Mutation(
+        "a waiting connection the server closed is used anyway (#25)",
+        "trio_gym/http/client.py",
+        "            if now - since < self._idle_s and conn.idle_and_open():",
+        "            if now - since < self._idle_s:",
+        (
+            "tests/test_connection_pool.py::test_a_connection_the_server_closed_while_it_waited_is_not_used",
+        ),
+    ),
+    Mutation(
+        "a connection waits for its next request however long (#25)",
+        "trio_gym/http/client.py",
+        "            if now - since < self._idle_s and conn.idle_and_open():",
+        "            if conn.idle_and_open():",
+        ("tests/test_connection_pool.py::test_a_connection_waits_no_longer_than_its_idle_time",),
+    ),
+    Mutation(
+        "no bound on the connections waiting in a pool (#25)",
+        "trio_gym/http/client.py",
+        "            kept = len(self._idle) < self._max_idle and opened.conn.start_next_request()",
+        "            kept = opened.conn.start_next_request()",
+        ("tests/test_connection_pool.py::test_no_more_connections_wait_than_max_idle",),
+    ),
+    Mutation(
+        "a cancelled exchange leaves its connection open: the server never learns (#25)",
+        "trio_gym/http/client.py",
+        "            else:\n                await opened.conn.aclose()\n        return Response(",
+        "            else:\n                pass\n        return Response(",
+        (
+            "tests/test_connection_pool.py::test_a_cancelled_exchange_closes_its_connection_and_the_next_gets_a_fresh_one",
+        ),
     ),
     Mutation(
         "a read whose event is already here is not a checkpoint (#25)",

@@ -32,6 +32,8 @@ from trio_gym.http.transport import ConnectionLost, transport_of
 
 # A request body up to this size is sent before the answer is read, not beside it.
 SMALL_UPLOAD_BYTES: Final = 64 * 1024
+# How long a kept-alive connection may wait for its next request (see ConnectionPool).
+POOL_IDLE_S: Final = 2.0
 
 
 @attrs.frozen
@@ -191,6 +193,7 @@ class ClientExchange:
         *,
         headers: Sequence[tuple[str, str]] = (),
         head_timeout_s: float = math.inf,
+        keep_alive: bool = False,
     ) -> h11.Response:
         """Upload the request while watching for the answer; return the final response head.
 
@@ -201,7 +204,8 @@ class ClientExchange:
         come (an upload's own time is not counted: a big one may take long). Raises
         :class:`NoResponse`.
         """
-        request = build_request(self.endpoint, method, path, body, headers)  # bugs raise here
+        # A malformed request (a bug) raises here, before anything is sent.
+        request = build_request(self.endpoint, method, path, body, headers, keep_alive=keep_alive)
         upload_failed: ConnectionLost | None = None
         head_wait = trio.CancelScope()
 
@@ -318,21 +322,111 @@ def build_request(
     path: str,
     body: bytes,
     headers: Sequence[tuple[str, str]] = (),
+    *,
+    keep_alive: bool = False,
 ) -> h11.Request:
-    """A request framed by ``Content-Length`` (``0`` included) that closes the connection.
+    """A request framed by ``Content-Length`` (``0`` included) that closes the connection,
+    unless ``keep_alive``.
 
     Raises ``h11.LocalProtocolError`` for a request HTTP cannot carry (a bug in the caller).
     """
-    return h11.Request(
-        method=method,
-        target=endpoint.target(path),
-        headers=[
-            ("host", endpoint.authority),
-            ("content-length", str(len(body))),
-            ("connection", "close"),
-            *headers,
-        ],
-    )
+    framing = [("host", endpoint.authority), ("content-length", str(len(body)))]
+    if not keep_alive:
+        framing.append(("connection", "close"))
+    return h11.Request(method=method, target=endpoint.target(path), headers=[*framing, *headers])
+
+
+class ConnectionPool:
+    """Connections kept alive toward one server, each carrying one request at a time.
+
+    A connection goes back to the pool only after an exchange that ended whole (its response
+    read to the end, neither side asking to close); a failed or cancelled exchange closes its
+    connection, which is how a server learns that its caller left. At most ``max_idle`` wait
+    between requests, each for ``idle_s`` at most — less than servers keep an idle connection
+    (uvicorn, under Gym, 5 s), so the server's close rarely races our next request. A waiting
+    connection the server closed (or wrote to) is dropped before anything is sent on it, and the
+    request goes on the next one, or a fresh one.
+    """
+
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        limits: HttpLimits,
+        *,
+        max_idle: int,
+        opener: StreamOpener = open_tcp,
+        idle_s: float = POOL_IDLE_S,
+    ) -> None:
+        self.endpoint = endpoint
+        self._limits = limits
+        self._max_idle = max_idle
+        self._opener = opener
+        self._idle_s = idle_s
+        self._idle: list[tuple[float, HttpConnection]] = []
+        self.opened = 0
+        """Connections this pool has opened (the rest of its requests reused one)."""
+
+    @property
+    def waiting(self) -> int:
+        """How many connections wait for a request."""
+        return len(self._idle)
+
+    async def exchange(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        *,
+        max_response_bytes: int,
+        idle_timeout_s: float,
+        headers: Sequence[tuple[str, str]] = (),
+        connect_timeout_s: float = math.inf,
+    ) -> Response:
+        """One whole request and response, as :func:`exchange`; raises :class:`NoResponse` or
+        :class:`BodyFailed`."""
+        conn = await self._take_idle()
+        if conn is None:
+            opened = await ClientExchange.open(
+                self.endpoint,
+                self._limits,
+                opener=self._opener,
+                connect_timeout_s=connect_timeout_s,
+            )
+            self.opened += 1
+        else:
+            opened = ClientExchange(conn, self.endpoint)
+        kept = False
+        try:
+            head = await opened.send(method, path, body, headers=headers, keep_alive=True)
+            data = await opened.read_body(
+                head, max_bytes=max_response_bytes, idle_timeout_s=idle_timeout_s
+            )
+            kept = len(self._idle) < self._max_idle and opened.conn.start_next_request()
+        finally:
+            if kept:
+                self._idle.append((trio.current_time(), opened.conn))
+            else:
+                await opened.conn.aclose()
+        return Response(head.status_code, tuple(head.headers), data)
+
+    async def _take_idle(self) -> HttpConnection | None:
+        """The most recently used waiting connection that is still usable, closing the others
+        found unusable on the way. A checkpoint."""
+        now = trio.current_time()
+        while self._idle:
+            since, conn = self._idle.pop()
+            if now - since < self._idle_s and conn.idle_and_open():
+                await trio.lowlevel.checkpoint()
+                return conn
+            await conn.aclose()
+        await trio.lowlevel.checkpoint()
+        return None
+
+    async def aclose(self) -> None:
+        """Close every waiting connection (the pool's owner is done with the server)."""
+        idle, self._idle = self._idle, []
+        for _, conn in idle:
+            await conn.aclose()
 
 
 async def _response_head(conn: HttpConnection) -> tuple[h11.Response | None, Exception | None]:

@@ -229,7 +229,7 @@ class HttpConnection:
                 self._h11.receive_data(self._took(data, in_head))
                 continue
             if event is h11.PAUSED:
-                raise RuntimeError("connections are never reused; a second cycle is a bug")
+                raise RuntimeError("a second request read before start_next_request: a bug")
             assert isinstance(event, h11.Event)
             if isinstance(event, h11.Request | h11.Response | h11.InformationalResponse):
                 self._check_head_size()
@@ -256,6 +256,27 @@ class HttpConnection:
         if not data:
             self.eof_received = True
         return data
+
+    def start_next_request(self) -> bool:
+        """Ready a client's connection for another request, once both messages of this one are
+        complete and neither side asked to close; False (nothing changed) otherwise."""
+        if self._lost or self._closed:
+            return False
+        if self._h11.our_state is not h11.DONE or self._h11.their_state is not h11.DONE:
+            return False
+        self._h11.start_next_cycle()
+        self._head_bytes = len(self._h11.trailing_data[0])
+        return True
+
+    def idle_and_open(self) -> bool:
+        """Whether a connection between requests is still usable: the peer has neither closed it
+        nor sent anything unasked (either would make the next request's fate unknowable)."""
+        if self._lost or self._closed or self._h11.trailing_data[0]:
+            return False
+        try:
+            return self._transport.receive_now(1) is None
+        except ConnectionLost:
+            return False
 
     async def wait_until_peer_stops_sending(self) -> None:
         """Read and discard whatever the peer sends until it shuts down its sending side.

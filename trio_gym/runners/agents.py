@@ -38,7 +38,9 @@ Addresses come from ``--agent NAME=URL`` or from a Gym head server's
 server with its ``host`` and ``port``), read at start — waiting, with a growing backoff, for a
 deployment that is not up yet — and again when a row names a server not yet known.
 
-- Concurrency is bounded per server (``max_connections``).
+- Concurrency is bounded per server (``max_connections``), and so are the connections kept
+  alive toward it between rows (:class:`~trio_gym.http.ConnectionPool`). A cancelled
+  example still closes its own connection: that is how Gym learns to cancel its model call.
 - A connection that cannot be made is retried ``connect_attempts`` times with a growing
   backoff, all inside the example's deadline (Gym's own client retries refused connections
   forever). A request that reached the server is never re-sent: it may be running it.
@@ -65,13 +67,13 @@ from trio_gym.errors import readable_body
 from trio_gym.http import (
     BodyFailed,
     ConnectFailed,
+    ConnectionPool,
     Endpoint,
     HttpLimits,
     NoResponse,
     Response,
     StreamOpener,
     encode_json,
-    exchange,
     open_tcp,
 )
 from trio_gym.logs import log_event
@@ -285,7 +287,8 @@ class AgentsRunner:
         self.directory = AgentDirectory(
             settings.agents, settings.head_server, limits=self.limits, opener=opener
         )
-        self._slots: dict[Endpoint, trio.CapacityLimiter] = {}
+        self._kept: dict[Endpoint, tuple[trio.CapacityLimiter, ConnectionPool]] = {}
+        """Per agent server: the bound on its connections in use, and those kept alive."""
         self.finalizer: RecordFinalizer | None = None
         """Gym's finalization of each record, when Gym's config captures and it can run here."""
         self._finalizer_worker = finalizer_worker
@@ -320,6 +323,11 @@ class AgentsRunner:
             log_event("records_not_finalized", level=logging.WARNING, reason=why)
             report_health_note(why)
             task_status.started()
+
+    async def aclose(self) -> None:
+        """Close the connections kept alive toward the agent servers."""
+        for _, pool in self._kept.values():
+            await pool.aclose()
 
     def _gym_python(self) -> str:
         """The Python to finalize records with; raises :class:`FinalizationUnavailable`."""
@@ -509,22 +517,24 @@ class AgentsRunner:
         a request that reached the server is never sent twice: it may be running it.
         """
         endpoint = server.endpoint
-        slots = self._slots.get(endpoint)
-        if slots is None:
-            slots = self._slots[endpoint] = trio.CapacityLimiter(self.settings.max_connections)
+        kept = self._kept.get(endpoint)
+        if kept is None:
+            limit = self.settings.max_connections
+            kept = self._kept[endpoint] = (
+                trio.CapacityLimiter(limit),
+                ConnectionPool(endpoint, self.limits, max_idle=limit, opener=self.opener),
+            )
+        slots, pool = kept
 
         async def post_once() -> Response:
             async with slots:
-                return await exchange(
-                    endpoint,
+                return await pool.exchange(
                     "POST",
                     "/run",
                     body,
-                    limits=self.limits,
                     max_response_bytes=self.settings.max_response_bytes,
                     idle_timeout_s=self.settings.idle_timeout_s,
                     headers=[("content-type", "application/json")],
-                    opener=self.opener,
                 )
 
         try:
