@@ -24,9 +24,15 @@ import matplotlib.pyplot as plt
 
 from benchmarks.run import FLOORS, ROOT, SERVERS
 
-COLOURS = {"trio_gym": "tab:blue", "threaded": "tab:orange", "uvicorn": "tab:green"}
+COLOURS = {
+    "trio_gym": "tab:blue",
+    "trio_gym_h11": "tab:purple",
+    "threaded": "tab:orange",
+    "uvicorn": "tab:green",
+}
 LABELS = {
     "trio_gym": "trio_gym",
+    "trio_gym_h11": "trio_gym on pure h11",
     "threaded": "threaded (the design replaced)",
     "uvicorn": "uvicorn (uvloop + httptools)",
     "floor_bare": "floor: trio, canned answer",

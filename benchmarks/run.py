@@ -6,13 +6,15 @@
 
 Each workload starts a fresh server process pinned to CPU 0 (``taskset``); load generators run
 pinned to CPU 1. Servers: ``trio_gym`` (this project), ``threaded`` (the stdlib design it
-replaces) and ``uvicorn`` (uvloop + httptools). Every figure is a median over the runs.
+replaces) and ``uvicorn`` (uvloop + httptools); with h11-mypyc installed, ``trio_gym`` speaks it
+and ``trio_gym_h11`` is the same host on pure h11. Every figure is a median over the runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import re
@@ -29,7 +31,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVERS = ("trio_gym", "threaded", "uvicorn")
+SERVERS = ("trio_gym", "trio_gym_h11", "threaded", "uvicorn")
+# trio_gym_h11: the same host kept on pure h11 while h11-mypyc (the ``fast`` extra) is installed,
+# so the accelerator's effect is a ratio within one run.
+PURE_H11 = (
+    "import runpy, sys; sys.modules['h11_mypyc'] = None; "
+    "runpy.run_module('trio_gym', run_name='__main__', alter_sys=True)"
+)
 # The stack's floor (benchmarks/peers/floor.py): measured on short batches only.
 FLOORS = ("floor_bare", "floor_h11", "floor_tasks")
 HEARTBEAT_S = 1.0
@@ -60,7 +68,7 @@ class Server:
     def __init__(self, kind: str, events: Path, log: Path) -> None:
         self.kind, self.port = kind, free_port()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_EVENTS": str(events)}
-        if kind == "trio_gym":
+        if kind in ("trio_gym", "trio_gym_h11"):
             env.update(
                 NMP_RUNNER="benchmarks.workload:think_runner",
                 NMP_RUNTIME_HTTP_PORT=str(self.port),
@@ -69,6 +77,8 @@ class Server:
                 NMP_MAX_RESPONSE_BYTES=str(1 << 30),
             )
             command = [sys.executable, "-m", "trio_gym", "serve"]
+            if kind == "trio_gym_h11":
+                command = [sys.executable, "-c", PURE_H11, "serve"]
         elif kind in FLOORS:
             command = [sys.executable, "-m", "benchmarks.peers.floor", str(self.port)]
             command += ["--variant", kind.removeprefix("floor_"), "--heartbeat-s", str(HEARTBEAT_S)]
@@ -404,6 +414,8 @@ def main() -> None:
     if shutil.which("taskset") is None or shutil.which("wrk") is None:
         raise SystemExit("needs taskset and wrk (apt-get install util-linux wrk)")
     servers = args.servers.split(",")
+    if "trio_gym_h11" in servers and importlib.util.find_spec("h11_mypyc") is None:
+        servers.remove("trio_gym_h11")  # without the accelerator it would be trio_gym again
     only = set(args.only.split(","))
     sizes = [int(s) for s in args.sizes.split(",")]
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}

@@ -9,7 +9,6 @@ import socket
 import struct
 from typing import Any
 
-import h11
 import pytest
 import trio
 import trio.testing
@@ -27,6 +26,7 @@ from tests.helpers import (
 from trio_gym.config import ServeConfig
 from trio_gym.host.supervision import PROBE_DELAY_S, probe_delay_s
 from trio_gym.http import HttpConnection, HttpLimits, SocketTransport, StreamTransport
+from trio_gym.http.h11_build import h11
 
 HANG_GUARD_S = 30  # only a guard against a hang; no test asserts how long anything took
 

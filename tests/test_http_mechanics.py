@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import h11
 import pytest
 import trio
 import trio.testing
@@ -22,6 +21,7 @@ from trio_gym.http import (
     send_body,
     send_empty,
 )
+from trio_gym.http.h11_build import h11
 from trio_gym.http.transport import STREAM_BUFFER_BYTES, SocketTransport, StreamTransport
 
 

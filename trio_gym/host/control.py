@@ -16,12 +16,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Final
 
-import h11
 import pydantic
 import trio
 
 from trio_gym.errors import ErrorCode, WireError, describe_validation_error
 from trio_gym.http import HttpConnection, read_body, send_json
+from trio_gym.http.h11_build import h11
 from trio_gym.protocol.control import (
     REQUESTS,
     Commit,

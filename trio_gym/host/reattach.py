@@ -24,11 +24,11 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 import attrs
-import h11
 import trio
 
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, send_body
+from trio_gym.http.h11_build import h11
 from trio_gym.logs import log_event
 from trio_gym.protocol.rollouts import IDEMPOTENCY_KEY_HEADER
 

@@ -17,7 +17,6 @@ from functools import partial
 from typing import Annotated, Any, Final
 
 import attrs
-import h11
 import pydantic
 import trio
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +29,7 @@ from trio_gym.http import (
     read_body,
     send_json,
 )
+from trio_gym.http.h11_build import h11
 from trio_gym.logs import log_event
 from trio_gym.protocol.identity import EpisodeId
 from trio_gym.protocol.rollouts import IDEMPOTENCY_KEY_HEADER, FailureMode

@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Final
 
-import h11
 import trio
 
 from trio_gym.errors import ErrorCode, WireError
@@ -27,6 +26,7 @@ from trio_gym.http import (
     send_empty,
     send_json,
 )
+from trio_gym.http.h11_build import h11
 from trio_gym.http.transport import STREAM_BUFFER_BYTES
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import path

@@ -21,11 +21,11 @@ from types import TracebackType
 from typing import Final
 
 import attrs
-import h11
 import trio
 
 from trio_gym.errors import WireError, without_userinfo
 from trio_gym.http.connection import HttpConnection
+from trio_gym.http.h11_build import h11
 from trio_gym.http.limits import HttpLimits
 from trio_gym.http.messages import read_body, send_message
 from trio_gym.http.transport import ConnectionLost, transport_of

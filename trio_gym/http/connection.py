@@ -10,9 +10,9 @@ from __future__ import annotations
 import math
 from typing import Final, overload
 
-import h11
 import trio
 
+from trio_gym.http.h11_build import h11
 from trio_gym.http.limits import HttpLimits
 from trio_gym.http.transport import ConnectionLost, Transport
 

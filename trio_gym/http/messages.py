@@ -19,11 +19,11 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-import h11
 import trio
 
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http.connection import HttpConnection
+from trio_gym.http.h11_build import h11
 from trio_gym.http.transport import ConnectionLost
 
 Headers = Sequence[tuple[str, str]]

@@ -58,7 +58,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import attrs
-import h11
 import trio
 
 from trio_gym.http import (
@@ -72,6 +71,7 @@ from trio_gym.http import (
     exchange,
     open_tcp,
 )
+from trio_gym.http.h11_build import h11
 from trio_gym.logs import log_event
 from trio_gym.protocol.rollouts import (
     FAILURES_FIELD,

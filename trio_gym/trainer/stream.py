@@ -26,9 +26,9 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import attrs
-import h11
 
 from trio_gym.http import BodyFailed, ClientExchange, NoResponse
+from trio_gym.http.h11_build import h11
 from trio_gym.logs import log_event
 from trio_gym.protocol.rollouts import (
     IDEMPOTENCY_KEY_HEADER,
