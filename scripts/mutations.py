@@ -2742,6 +2742,22 @@ MUTATIONS = [
             "tests/test_ray.py::test_the_actor_checkpoints_mid_flight_and_a_new_actor_restores_each_row_once",
         ),
     ),
+    Mutation(
+        "a malformed body escapes as the host's own fault, a 500 (#25 fuzz)",
+        "trio_gym/http/messages.py",
+        '        except h11.RemoteProtocolError as exc:\n            raise WireError(ErrorCode.INVALID_REQUEST, f"malformed body: {exc}") from exc',
+        '        except ZeroDivisionError as exc:\n            raise WireError(ErrorCode.INVALID_REQUEST, f"malformed body: {exc}") from exc',
+        (
+            "tests/test_http_fuzz.py::test_mutated_requests_never_kill_the_host_and_each_gets_http_or_a_close",
+        ),
+    ),
+    Mutation(
+        "the host stays on pure h11 though h11-mypyc is installed (#25)",
+        "trio_gym/http/h11_build.py",
+        "        import h11_mypyc as h11",
+        "        import h11_mypyc_absent as h11",
+        ("tests/test_http_fuzz.py::test_the_build_in_use_is_the_one_installed",),
+    ),
 ]
 
 

@@ -19,12 +19,12 @@ from typing import Any
 import pytest
 import trio
 
-from tests.helpers import CountingRunner, read_reply, request_bytes, running_host, tcp_exchange
+from tests.helpers import ScriptedRunner, read_reply, request_bytes, running_host, tcp_exchange
 from trio_gym.http.h11_build import h11 as h11_in_use
 
 HANG_GUARD_S = 60
 
-BATCH = json.dumps({"examples": [{"n": 1}, {"n": 2}]}).encode()
+BATCH = json.dumps({"examples": [{"result": 1}, {"result": 2}]}).encode()
 CHUNKED_BATCH = b"%x\r\n%s\r\n0\r\n\r\n" % (len(BATCH), BATCH)
 REQUESTS = (
     request_bytes(BATCH, headers=[("Content-Type", "application/json")]),
@@ -83,7 +83,7 @@ async def test_mutated_requests_never_kill_the_host_and_each_gets_http_or_a_clos
     rng = random.Random(25)
     inputs = [mutated(rng, rng.choice(REQUESTS)) for _ in range(400)]
     statuses: list[int] = []
-    runner = CountingRunner()
+    runner = ScriptedRunner()
 
     async def send(data: bytes, slots: trio.CapacityLimiter) -> None:
         async with slots:
