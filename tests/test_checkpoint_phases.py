@@ -23,8 +23,8 @@ ROUTES = {
 
 
 def phases_at(phase: CheckpointPhase) -> tuple[CheckpointPhases, Episodes]:
-    phases = CheckpointPhases()
-    episodes = Episodes(phases, runner_reports_boundaries=lambda: True)
+    episodes = Episodes(runner_reports_boundaries=lambda: True)
+    phases = episodes.phases
     for step in ROUTES[phase]:
         phases.move(step, "c1")
     return phases, episodes

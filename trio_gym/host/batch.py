@@ -13,6 +13,7 @@ from typing import Any, Final
 import attrs
 import trio
 
+from trio_gym.deadline import PausableDeadline
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import encode_json
 from trio_gym.http.messages import BODY_PIECE_BYTES
@@ -92,6 +93,9 @@ class Batch:
     size: int = 0
     """Examples in it (known once the body is parsed)."""
     state: BatchState = BatchState.ACCEPTED
+    deadline: PausableDeadline = attrs.field(factory=lambda: PausableDeadline(trio.CancelScope()))
+    """Its examples' scope and deadline, which stands still while an episode of it is parked
+    for a checkpoint (time parked is not charged)."""
     accepted_at: float = attrs.field(factory=trio.current_time)
     unlogged_running: dict[str, Any] | None = None
     """The ``batch_running`` line's fields until it is written."""

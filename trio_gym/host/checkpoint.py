@@ -19,7 +19,6 @@ from typing import Any, Final, TypeVar
 import attrs
 import trio
 
-from trio_gym.deadline import PausableDeadline
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import (
@@ -49,7 +48,6 @@ from trio_gym.protocol.export import (
 )
 from trio_gym.runners.base import StateParticipant
 
-from .checkpoint_phases import CheckpointPhases
 from .episodes import Episodes, LiveEpisode
 from .restore import host_record, plan_restore
 
@@ -100,18 +98,18 @@ class ReplyCache:
 
 
 class Checkpoints:
-    """The checkpoint participant of one host process."""
+    """The checkpoint participant of one host process: its episodes (which own the phases),
+    and the runner's state, when the runner keeps some (``participant``)."""
 
     def __init__(
         self,
-        phases: CheckpointPhases,
-        episodes: Episodes,
-        participant: Callable[[], StateParticipant | None],
         *,
+        participant: Callable[[], StateParticipant | None],
+        runner_reports_boundaries: Callable[[], bool],
         wall_time: Callable[[], float],
     ) -> None:
-        self.phases = phases
-        self.episodes = episodes
+        self.episodes = Episodes(runner_reports_boundaries=runner_reports_boundaries)
+        self.phases = self.episodes.phases
         self._participant = participant
         self._wall_time = wall_time
         self.lease_until: float | None = None
@@ -119,10 +117,7 @@ class Checkpoints:
         self._resumed: OrderedDict[str, ResumeReply] = OrderedDict()
         self._export: trio.CancelScope | None = None
         self._lease_changed = trio.Event()
-        self._batches: dict[str, PausableDeadline] = {}
-        """Batch id -> its deadline, paused while an episode of it is parked."""
         self._committing: set[str] = set()
-        episodes.on_park = self._freeze_batch
 
     @property
     def phase(self) -> CheckpointPhase:
@@ -131,26 +126,6 @@ class Checkpoints:
     @property
     def checkpoint_id(self) -> str | None:
         return self.phases.checkpoint_id
-
-    # --- batch deadlines ------------------------------------------------------------------
-
-    def track_batch(self, batch_id: str, scope: trio.CancelScope) -> None:
-        """Track a batch's deadline scope until :meth:`untrack_batch`: while one of its
-        episodes is parked, its deadline stands still (time parked is not charged), and runs
-        on from there on resume."""
-        self._batches[batch_id] = PausableDeadline(scope)
-
-    def untrack_batch(self, batch_id: str) -> None:
-        del self._batches[batch_id]
-
-    def _freeze_batch(self, live: LiveEpisode) -> None:
-        deadline = self._batches.get(live.batch_id)
-        if deadline is not None:
-            deadline.pause()
-
-    def _thaw_batches(self) -> None:
-        for deadline in self._batches.values():
-            deadline.resume()
 
     # --- time ---------------------------------------------------------------------------
 
@@ -377,7 +352,6 @@ class Checkpoints:
     def _resume(self, checkpoint_id: str) -> ResumeReply:
         if self._export is not None:
             self._export.cancel()  # an unfinished export must never publish
-        self._thaw_batches()
         self.phases.move(CheckpointPhase.IDLE, checkpoint_id)
         self._replies.forget_checkpoint(checkpoint_id)
         self.lease_until = None

@@ -56,13 +56,13 @@ class CheckpointPhases:
     """The phase, the checkpoint it belongs to (``None`` when idle), and what episodes may do.
 
     ``on_move(before, after)`` is told of every move with the conduct before and after it (the
-    episode registry releases or cuts short what the change concerns).
+    episode registry, which owns the phases, releases or cuts short what the change concerns).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, on_move: Callable[[Conduct, Conduct], None]) -> None:
         self.phase = CheckpointPhase.IDLE
         self.checkpoint_id: str | None = None
-        self.on_move: Callable[[Conduct, Conduct], None] = lambda before, after: None
+        self._on_move = on_move
 
     @property
     def conduct(self) -> Conduct:
@@ -76,4 +76,4 @@ class CheckpointPhases:
         before = self.conduct
         self.phase = to
         self.checkpoint_id = None if to is CheckpointPhase.IDLE else checkpoint_id
-        self.on_move(before, self.conduct)
+        self._on_move(before, self.conduct)

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from trio_gym.deadline import PausableDeadline
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.protocol.identity import EpisodeId
 from trio_gym.runners.base import ExampleContext, StepInterrupted, StepMode
@@ -40,6 +41,8 @@ class LiveEpisode:
     id: EpisodeId
     batch_id: str
     index: int
+    batch_deadline: PausableDeadline
+    """Its batch's: paused while the episode is parked (time parked is not charged)."""
     restored: RestoredEpisode | None = None
     started: bool = False
     """True once its runner was called: only then is a restored episode used up."""
@@ -68,14 +71,11 @@ class Episodes:
     """Every episode this host knows: running, parked, restored, retired.
 
     All changes are synchronous; waiters sleep on :meth:`wait_for_change` and are woken by
-    every change, never by polling.
+    every change, never by polling. It owns the checkpoint phases, and follows their moves.
     """
 
-    def __init__(
-        self, phases: CheckpointPhases, *, runner_reports_boundaries: Callable[[], bool]
-    ) -> None:
-        self._phases = phases
-        phases.on_move = self._phase_moved
+    def __init__(self, *, runner_reports_boundaries: Callable[[], bool]) -> None:
+        self.phases = CheckpointPhases(on_move=self._phase_moved)
         self.live: dict[str, LiveEpisode] = {}
         self.restored: dict[str, RestoredEpisode] = {}
         self.retired: dict[str, int] = {}
@@ -88,16 +88,16 @@ class Episodes:
         self._release: trio.Event = trio.Event()
         self._changed = trio.Event()
         self._reports_boundaries = runner_reports_boundaries
-        self.on_park: Callable[[LiveEpisode], None] = lambda live: None
-        """Called when an episode parks (the checkpoint freezes its batch's deadline)."""
+        self._paused: set[PausableDeadline] = set()
+        """The deadlines of batches an episode of which parked, run on when parking ends."""
 
     @property
     def admission_open(self) -> bool:
-        return self._phases.conduct.admission_open
+        return self.phases.conduct.admission_open
 
     @property
     def parking(self) -> bool:
-        return self._phases.conduct.parking
+        return self.phases.conduct.parking
 
     # --- changes and waiting ------------------------------------------------------------
 
@@ -141,18 +141,22 @@ class Episodes:
         return None
 
     def admit_or_refuse(
-        self, episode: EpisodeId, batch_id: str, index: int
+        self, episode: EpisodeId, batch_id: str, index: int, batch_deadline: PausableDeadline
     ) -> LiveEpisode | WireError:
         """Admit ``episode`` now, or say why not; one synchronous step."""
         refusal = self.refusal(episode)
-        return refusal if refusal is not None else self.admit(episode, batch_id, index)
+        if refusal is not None:
+            return refusal
+        return self.admit(episode, batch_id, index, batch_deadline)
 
-    def admit(self, episode: EpisodeId, batch_id: str, index: int) -> LiveEpisode:
+    def admit(
+        self, episode: EpisodeId, batch_id: str, index: int, batch_deadline: PausableDeadline
+    ) -> LiveEpisode:
         """Register an episode that :meth:`refusal` allowed; synchronous with that check."""
         restored = self.restored.pop(episode.capture_key, None)
         if restored is not None:
             self.consumed[episode.capture_key] = episode.rollout_id
-        live = LiveEpisode(episode, batch_id, index, restored=restored)
+        live = LiveEpisode(episode, batch_id, index, batch_deadline, restored=restored)
         self.live[episode.capture_key] = live
         self._note()
         return live
@@ -177,7 +181,8 @@ class Episodes:
         while self.parking:
             if not live.parked:
                 live.parked = True
-                self.on_park(live)
+                live.batch_deadline.pause()
+                self._paused.add(live.batch_deadline)
                 self._note()
             await self._release.wait()
         if live.parked:
@@ -205,12 +210,16 @@ class Episodes:
 
     def _phase_moved(self, before: Conduct, after: Conduct) -> None:
         """Parking begins: cut replay steps short (their episodes park at the boundary before
-        them). Parking ends: let parked episodes go on. Either way, waiters look again."""
+        them). Parking ends: let parked episodes and their batches' deadlines go on (a batch
+        whose parked episode ended meanwhile too). Either way, waiters look again."""
         if after.parking and not before.parking:
             for live in self.live.values():
                 if live.replay_scope is not None:
                     live.replay_scope.cancel()
         if before.parking and not after.parking:
+            for deadline in self._paused:
+                deadline.resume()
+            self._paused.clear()
             self._release.set()
             self._release = trio.Event()
         self._note()

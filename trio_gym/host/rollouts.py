@@ -259,7 +259,7 @@ async def run_batch(host: Host, caller: Caller, body: bytes, rows: bool) -> None
     admitted = [
         entry
         if isinstance(entry, WireError)
-        else host.episodes.admit_or_refuse(entry, batch.id, index)
+        else host.episodes.admit_or_refuse(entry, batch.id, index, batch.deadline)
         for index, entry in enumerate(checked)
     ]
     try:

@@ -19,12 +19,17 @@ from trio_gym.install import InstallError, install_environment
 from trio_gym.logs import log_event
 from trio_gym.protocol.host_identity import HEALTH_IDENTITY_FIELD, identity_digest
 from trio_gym.runners import Runner, load_runner
-from trio_gym.runners.base import ServedRunner, StateParticipant, start_reports_to
+from trio_gym.runners.base import (
+    BoundaryReporter,
+    ClosingRunner,
+    ServedRunner,
+    StartingRunner,
+    StateParticipant,
+    start_reports_to,
+)
 from trio_gym.runners.gym import GymDeployment, GymReady, GymStartFailed
 
 from .checkpoint import Checkpoints
-from .checkpoint_phases import CheckpointPhases
-from .episodes import Episodes
 from .pacer import Pacer
 from .reattach import KeyedBatches
 
@@ -142,16 +147,12 @@ class Host:
         """Around the start-up stages: a Gym that ends meanwhile ends them."""
         self._gym = trio.CancelScope()
         """Around the Gym deployment's task: a start-up that fails after Gym started stops it."""
-        phases = CheckpointPhases()
-        self.episodes = Episodes(
-            phases,
-            runner_reports_boundaries=lambda: bool(
-                getattr(self._runner, "reports_boundaries", False)
-            ),
-        )
         self.checkpoints = Checkpoints(
-            phases, self.episodes, self._state_participant, wall_time=wall_time
+            participant=self._state_participant,
+            runner_reports_boundaries=self._runner_reports_boundaries,
+            wall_time=wall_time,
         )
+        self.episodes = self.checkpoints.episodes
         self.pacer = Pacer()
         """Wakes every batch's heartbeat (one timer for all of them; see ``pacer``)."""
         if runner is not None:
@@ -188,6 +189,9 @@ class Host:
 
     def _state_participant(self) -> StateParticipant | None:
         return self._runner if isinstance(self._runner, StateParticipant) else None
+
+    def _runner_reports_boundaries(self) -> bool:
+        return isinstance(self._runner, BoundaryReporter) and self._runner.reports_boundaries
 
     def admit_connection(self) -> trio.CapacityLimiter | None:
         """Take a slot for a new connection: a full one, an overflow one, or ``None`` (full)."""
@@ -249,10 +253,8 @@ class Host:
             )
             if isinstance(runner, ServedRunner):  # its tasks live as long as the host serves
                 await services.start(runner.serve)
-            else:
-                start = getattr(runner, "start", None)
-                if start is not None:
-                    await start()
+            elif isinstance(runner, StartingRunner):
+                await runner.start()
             self._runner = runner
         except Exception as exc:  # the boundary: a user's package or module may fail any way
             known = isinstance(exc, InstallError | GymStartFailed)
@@ -293,10 +295,9 @@ class Host:
         self.health_notes.append(text)
 
     async def close_runner(self) -> None:
-        """Let the runner release what it holds (its optional ``aclose``), once serving ended."""
-        close = getattr(self._runner, "aclose", None)
-        if close is not None:
-            await close()
+        """Let a runner that holds something release it, once serving ended."""
+        if isinstance(self._runner, ClosingRunner):
+            await self._runner.aclose()
 
     def request_shutdown(self) -> None:
         """Stop accepting work; in-flight batches are answered ``shutting_down``."""

@@ -106,35 +106,32 @@ async def supervise(
     beat: _Heartbeat | None = None
     completed = False
     try:
-        async with trio.open_nursery() as nursery:
-            # The batch's own scope is the examples' scope too: its deadline, the host's
-            # shutdown and a departed caller each cancel everything in it (one cancel scope
-            # less kept by every held batch). How it ended is told apart below.
-            batch_scope = nursery.cancel_scope
+        # The batch's own scope (its pausable deadline's) holds the examples, the heartbeat and
+        # the watcher: its deadline, the host's shutdown and a departed caller each cancel
+        # everything in it. How it ended is told apart below.
+        with batch.deadline.scope as batch_scope:
             batch_scope.deadline = trio.current_time() + deadline_s
-            pacer = host.pacer
-            if not pacer.running:
-                # A host driven without serve (embedded, or a test): the batch owns a pacer of
-                # its own, so heartbeats and the watcher's start take the same road either way.
-                pacer = Pacer()
-                await nursery.start(pacer.run)
-            lasting = partial(_batch_lasts, nursery, batch, caller, body, heartbeat)
-            timers = [pacer.call_after(WATCH_AFTER_S, lasting)]
-            if body is not None:
-                beat = _Heartbeat(body, heartbeat, batch_scope)
-                timers.append(pacer.start_every(host.config.heartbeat_interval_s, beat))
-            host.cancel_on_shutdown(batch_scope)
-            # Tracked so that time spent in a checkpoint does not count against the deadline.
-            host.checkpoints.track_batch(batch.id, batch_scope)
-            try:
-                await work()
-                completed = True
-            finally:
-                host.checkpoints.untrack_batch(batch.id)
-                host.forget_on_shutdown(batch_scope)
-                for timer in timers:
-                    timer.stop()
-            batch_scope.cancel()  # the watcher, and the batch's own pacer if it has one
+            async with trio.open_nursery() as nursery:
+                pacer = host.pacer
+                if not pacer.running:
+                    # A host driven without serve (embedded, or a test): the batch owns a pacer
+                    # of its own, so heartbeats and the watcher's start take one road either way.
+                    pacer = Pacer()
+                    await nursery.start(pacer.run)
+                lasting = partial(_batch_lasts, nursery, batch, caller, body, heartbeat)
+                timers = [pacer.call_after(WATCH_AFTER_S, lasting)]
+                if body is not None:
+                    beat = _Heartbeat(body, heartbeat, batch_scope)
+                    timers.append(pacer.start_every(host.config.heartbeat_interval_s, beat))
+                host.cancel_on_shutdown(batch_scope)
+                try:
+                    await work()
+                    completed = True
+                finally:
+                    host.forget_on_shutdown(batch_scope)
+                    for timer in timers:
+                        timer.stop()
+                batch_scope.cancel()  # the watcher, and the batch's own pacer if it has one
     except* ConnectionLost as group:
         caller_lost = leaves(group)[0]
     if caller_lost is None and beat is not None:

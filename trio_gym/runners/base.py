@@ -13,14 +13,16 @@ the host stops. So a runner:
 ``check_example`` runs for every example before the batch is accepted, so a malformed example
 is a ``400`` naming it rather than a failure minutes into the batch.
 
-An optional ``async def start(self)`` runs once in the host's ``starting_runner`` stage (reach a
-registry, warm a cache); if it raises, ``/health`` reports ``bootstrap_failed`` with the reason.
+Optional capabilities are protocols of their own, which the host tests with ``isinstance``: a
+:class:`StartingRunner`'s ``async def start(self)`` runs once in the host's ``starting_runner``
+stage (reach a registry, warm a cache); if it raises, ``/health`` reports ``bootstrap_failed``
+with the reason.
 While it waits for something, :func:`report_start_progress` says what, and ``/health`` shows it;
 something the host should say for as long as it serves (a capability it lacks here) goes to
 :func:`report_health_note`. A runner that needs tasks of its own while the host serves (a worker
 process it owns) is a :class:`ServedRunner` instead: its ``serve`` runs in the host's services
-nursery, beside the connections. An optional ``async def aclose(self)`` runs once when the host
-has stopped serving.
+nursery, beside the connections. A :class:`ClosingRunner`'s ``async def aclose(self)`` runs once
+when the host has stopped serving.
 ``check_example`` is called on the trio thread for small request bodies and on a worker thread
 for large ones (over 1 MiB): it must be a pure check, touching no trio or event-loop state.
 
@@ -34,6 +36,8 @@ safe to run again, because its side effects happen only at its very end — may 
 boundary. An episode restored from a checkpoint starts with ``context.restored`` holding the
 state of the boundary it was exported at. Runners that never report a boundary (an opaque remote
 agent) cannot be captured: checkpoints list their episodes as restarts and never wait for them.
+A :class:`BoundaryReporter` promises a boundary from every episode, so a checkpoint waits even
+for an episode that has not reached its first.
 
 A runner that keeps episode state of its own beyond the boundary state (a side-effect store)
 also implements :class:`StateParticipant`, so a checkpoint exports and restores that state too.
@@ -193,6 +197,29 @@ class ServedRunner(Runner, Protocol):
         """Start (what ``start`` would do), report it through ``task_status``, then keep what
         it runs until cancelled — the host stopping, after its last connection. Raising before
         it reported is a failed start; after, it must not raise."""
+
+
+@runtime_checkable
+class StartingRunner(Runner, Protocol):
+    """A runner with something to do once before the host is ready."""
+
+    async def start(self) -> None:
+        """Prepare; raising fails the host's start with the reason."""
+
+
+@runtime_checkable
+class ClosingRunner(Runner, Protocol):
+    """A runner that holds something to release once the host has stopped serving."""
+
+    async def aclose(self) -> None:
+        """Release it; the host has no connection left by then."""
+
+
+@runtime_checkable
+class BoundaryReporter(Runner, Protocol):
+    """A runner every episode of which reports step boundaries (so each can be captured)."""
+
+    reports_boundaries: bool
 
 
 @runtime_checkable
