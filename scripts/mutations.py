@@ -470,10 +470,10 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "time parked charged to the batch deadline",
-        "trio_gym/host/checkpoint.py",
-        "            deadline.pause()",
-        "            pass",
+        "time parked charged to the batch deadline (the batch's own deadline, #25)",
+        "trio_gym/host/episodes.py",
+        "                live.batch_deadline.pause()",
+        "                pass",
         ("tests/test_checkpoint.py::test_time_parked_is_not_charged_to_the_deadline",),
     ),
     Mutation(
@@ -655,10 +655,10 @@ MUTATIONS = [
         ("tests/test_checkpoint_rules.py::test_a_restored_episode_survives_a_refused_batch",),
     ),
     Mutation(
-        "a resumed batch's deadline never runs again",
-        "trio_gym/host/checkpoint.py",
-        "            deadline.resume()",
-        "            pass",
+        "a resumed batch's deadline never runs again (the batch's own deadline, #25)",
+        "trio_gym/host/episodes.py",
+        "                deadline.resume()",
+        "                pass",
         ("tests/test_checkpoint_rules.py::test_the_deadline_runs_on_after_a_resume",),
     ),
     Mutation(
@@ -788,8 +788,8 @@ MUTATIONS = [
     Mutation(
         "parking that ends leaves parked episodes waiting (#15)",
         "trio_gym/host/episodes.py",
-        "        if before.parking and not after.parking:\n            self._release.set()",
-        "        if False:\n            self._release.set()",
+        "            self._paused.clear()\n            self._release.set()",
+        "            self._paused.clear()",
         ("tests/test_checkpoint.py::test_a_lease_that_expires_resumes_the_host_by_itself",),
     ),
     Mutation(
@@ -2757,6 +2757,31 @@ MUTATIONS = [
         "        import h11_mypyc as h11",
         "        import h11_mypyc_absent as h11",
         ("tests/test_http_fuzz.py::test_the_build_in_use_is_the_one_installed",),
+    ),
+    Mutation(
+        "a runner's start never runs (capabilities as protocols, #25)",
+        "trio_gym/host/state.py",
+        "            elif isinstance(runner, StartingRunner):",
+        "            elif False:",
+        ("tests/test_runners.py::test_a_user_runner_loaded_by_import_path_runs_end_to_end",),
+    ),
+    Mutation(
+        "a runner that holds something is never closed (capabilities as protocols, #25)",
+        "trio_gym/host/state.py",
+        "        if isinstance(self._runner, ClosingRunner):",
+        "        if False:",
+        (
+            "tests/test_runners.py::test_a_runner_that_holds_something_is_closed_once_after_serving_ends",
+        ),
+    ),
+    Mutation(
+        "a runner's promise of boundaries ignored (capabilities as protocols, #25)",
+        "trio_gym/host/state.py",
+        "        return isinstance(self._runner, BoundaryReporter) and self._runner.reports_boundaries",
+        "        return False",
+        (
+            "tests/test_runners.py::test_only_a_boundary_reporter_is_waited_for_before_its_first_boundary",
+        ),
     ),
 ]
 

@@ -8,9 +8,12 @@ from typing import Any
 import pytest
 import trio
 
-from tests.helpers import request_bytes, running_host, tcp_exchange
+from tests.helpers import ScriptedRunner, request_bytes, running_host, tcp_exchange
 from trio_gym.config import ConfigError, ServeConfig, load_serve_config
-from trio_gym.runners import ExampleContext, ExampleRunner
+from trio_gym.deadline import PausableDeadline
+from trio_gym.host import Host
+from trio_gym.protocol.identity import EpisodeId
+from trio_gym.runners import ExampleContext, ExampleRunner, Runner
 
 HANG_GUARD_S = 30
 
@@ -84,3 +87,41 @@ async def test_the_example_runner_reports_every_step_boundary_as_json() -> None:
     assert [step for step, _ in hooks.boundaries] == [0, 1, 2, 3, 4]
     assert json.loads(hooks.boundaries[-1][1])["step"] == 4
     assert result["steps"] == 4 and len(runner.store) == 0
+
+
+class Holding(ScriptedRunner):
+    """A runner that holds something until the host has stopped serving (a ClosingRunner)."""
+
+    def __init__(self) -> None:
+        self.closed_with_connections_open: list[int] = []
+        self.host: Host | None = None
+
+    async def aclose(self) -> None:
+        assert self.host is not None
+        await trio.lowlevel.checkpoint()
+        self.closed_with_connections_open.append(self.host.stats.connections_open)
+
+
+async def test_a_runner_that_holds_something_is_closed_once_after_serving_ends() -> None:
+    runner = Holding()
+    async with running_host(runner=runner) as (host, port):
+        runner.host = host
+        reply = await tcp_exchange(port, request_bytes({"examples": [{"result": 1}]}))
+        assert reply.json()["results"] == [1] and runner.closed_with_connections_open == []
+    assert runner.closed_with_connections_open == [0]
+
+
+class Reporting(ScriptedRunner):
+    reports_boundaries = True
+
+
+@pytest.mark.parametrize(("runner", "capturable"), [(ScriptedRunner(), False), (Reporting(), True)])
+async def test_only_a_boundary_reporter_is_waited_for_before_its_first_boundary(
+    runner: Runner, capturable: bool
+) -> None:
+    """An episode that has not reported a boundary yet is a blocker a checkpoint waits for when
+    its runner promises boundaries, and a restart (never waited for) when it does not."""
+    host = Host(ServeConfig(port=0, control_token="t"), runner=runner)
+    live = host.episodes.admit(EpisodeId("r", 0), "b", 0, PausableDeadline(trio.CancelScope()))
+    assert host.episodes.blockers() == ([live] if capturable else [])
+    assert host.episodes.restarts() == ([] if capturable else [live])
