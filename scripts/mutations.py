@@ -77,8 +77,8 @@ MUTATIONS = [
     Mutation(
         "close without draining (reset destroys the 413)",
         "trio_gym/host/server.py",
-        "            await _refuse(host, conn, error, busy=busy)\n        await conn.close()",
-        "            await _refuse(host, conn, error, busy=busy)\n        await conn.aclose()",
+        "            await _refuse(config, conn, error, busy=busy)\n        await conn.close()",
+        "            await _refuse(config, conn, error, busy=busy)\n        await conn.aclose()",
         ("tests/test_host_wire.py::test_413_is_read_by_a_client_still_uploading_50_mb",),
     ),
     Mutation(
@@ -111,7 +111,7 @@ MUTATIONS = [
     ),
     Mutation(
         "shutdown does not cancel in-flight batches",
-        "trio_gym/host/state.py",
+        "trio_gym/host/lifecycle.py",
         "            for scope in self._stoppable:\n                scope.cancel()",
         "            pass",
         (
@@ -160,8 +160,8 @@ MUTATIONS = [
     Mutation(
         "no connection cap",
         "trio_gym/host/server.py",
-        "    if busy:\n        raise _busy(host)",
-        "    if False:\n        raise _busy(host)",
+        "    if busy:\n        raise _busy(config)",
+        "    if False:\n        raise _busy(config)",
         ("tests/test_host_wire.py::test_extra_connections_beyond_the_cap_get_503_host_busy",),
     ),
     Mutation(
@@ -300,7 +300,7 @@ MUTATIONS = [
     Mutation(
         "no minimum body rate (a trickled body holds a slot for hours)",
         "trio_gym/host/rollouts.py",
-        "        min_rate=host.limits.min_body_rate,\n        advice=TOO_LARGE_ADVICE,\n",
+        "        min_rate=services.limits.min_body_rate,\n        advice=TOO_LARGE_ADVICE,\n",
         "        advice=TOO_LARGE_ADVICE,\n",
         (
             "tests/test_host_clock.py::test_a_trickled_body_gets_408_once_it_falls_below_the_minimum_rate",
@@ -309,14 +309,14 @@ MUTATIONS = [
     Mutation(
         "readiness checked only after reading the body",
         "trio_gym/host/rollouts.py",
-        "    host.check_accepting()\n    rows = wants_rows(head)",
+        "    services.lifecycle.check_accepting()\n    rows = wants_rows(head)",
         "    rows = wants_rows(head)",
         ("tests/test_host_clock.py::test_the_host_is_checked_ready_before_the_body_is_read",),
     ),
     Mutation(
         "readiness not checked again once the body has arrived",
         "trio_gym/host/rollouts.py",
-        "    host.check_accepting()  # the body may have taken a while; the host may be stopping now",
+        "    # The body may have taken a while; the host may be stopping now.\n    services.lifecycle.check_accepting()",
         "    pass",
         ("tests/test_host_clock.py::test_a_shutdown_while_the_body_arrives_refuses_the_batch",),
     ),
@@ -354,23 +354,23 @@ MUTATIONS = [
     Mutation(
         "the connection slot released after an await (leaks when cancelled)",
         "trio_gym/host/server.py",
-        "    finally:\n        host.release_connection(admission)\n\n\nasync def handle_socket",
-        "    finally:\n        await trio.lowlevel.checkpoint()\n        host.release_connection(admission)"
+        "    finally:\n        host.admission.release(admitted)\n\n\nasync def handle_socket",
+        "    finally:\n        await trio.lowlevel.checkpoint()\n        host.admission.release(admitted)"
         "\n\n\nasync def handle_socket",
         ("tests/test_host_clock.py::test_a_cancelled_connection_gives_back_its_slot",),
     ),
     Mutation(
         "no overflow: every over-cap connection is dropped without an answer",
-        "trio_gym/host/state.py",
-        "        for slots in (self.connection_slots, self.overflow_slots):",
-        "        for slots in (self.connection_slots,):",
+        "trio_gym/host/admission.py",
+        "        for admitted in (self.served, self.refused):",
+        "        for admitted in (self.served,):",
         (
             "tests/test_host_clock.py::test_beyond_the_cap_a_bounded_overflow_hears_503_and_the_rest_are_closed",
         ),
     ),
     Mutation(
         "shutdown waits for a hung runner import",
-        "trio_gym/host/state.py",
+        "trio_gym/host/lifecycle.py",
         "                abandon_on_cancel=True,",
         "                abandon_on_cancel=False,",
         ("tests/test_cli.py::test_a_signal_during_a_hung_runner_import_still_exits",),
@@ -394,8 +394,8 @@ MUTATIONS = [
     Mutation(
         "a failed example ends the row stream (cancelling its siblings)",
         "trio_gym/host/rows.py",
-        "    work = partial(run_examples, host, examples, episodes, finished, failed, row_offset)",
-        "    work = partial(run_examples, host, examples, episodes, finished, None, row_offset)",
+        "    work = partial(run_examples, services, examples, episodes, finished, failed, row_offset)",
+        "    work = partial(run_examples, services, examples, episodes, finished, None, row_offset)",
         ("tests/test_rows.py::test_a_failed_example_is_a_sidecar_row_and_the_stream_goes_on",),
     ),
     Mutation(
@@ -531,7 +531,7 @@ MUTATIONS = [
     Mutation(
         "the control plane's operations answered without the token",
         "trio_gym/host/control.py",
-        "    _authorize(host, head)\n    name = ",
+        "    _authorize(services, head)\n    name = ",
         "    name = ",
         (
             "tests/test_checkpoint_rules.py::test_every_operation_needs_the_token_and_the_plane_is_off_without_one",
@@ -955,7 +955,7 @@ MUTATIONS = [
     ),
     Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",
-        "trio_gym/host/state.py",
+        "trio_gym/host/stats.py",
         "            self.examples_cancelled += 1\n",
         "            pass\n",
         (
@@ -1332,7 +1332,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a Gym that exits after it was up leaves the host ready (#13)",
-        "trio_gym/host/state.py",
+        "trio_gym/host/lifecycle.py",
         '        self._fail("gym", ended)',
         '        log_event("gym_ended", reason=ended)',
         ("tests/test_gym_runner.py::test_a_gym_that_exits_after_it_is_up_turns_health_failed",),
@@ -1458,7 +1458,7 @@ MUTATIONS = [
     Mutation(
         "episode identity invented with the control plane off (#13)",
         "trio_gym/host/batch.py",
-        "    identity = episode.id if host.tracks_episodes else None",
+        "    identity = episode.id if services.tracks_episodes else None",
         "    identity = episode.id",
         (
             "tests/test_host_wire.py::test_results_come_back_in_input_order_with_identity_keys_and_none_invented",
@@ -1468,7 +1468,7 @@ MUTATIONS = [
     Mutation(
         "rows of one identity refused with the control plane off (#13)",
         "trio_gym/host/rollouts.py",
-        "        identities=host.tracks_episodes,",
+        "        identities=services.tracks_episodes,",
         "        identities=True,",
         (
             "tests/test_host_wire.py::test_rows_of_one_identity_both_run_unless_the_control_plane_tracks_episodes",
@@ -1485,7 +1485,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a Gym that exits while the runner starts does not end the start (#13)",
-        "trio_gym/host/state.py",
+        "trio_gym/host/lifecycle.py",
         "            self._stages.cancel()\n",
         "",
         (
@@ -2108,7 +2108,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a host that cannot finalize says nothing in /health (#22)",
-        "trio_gym/host/state.py",
+        "trio_gym/host/lifecycle.py",
         "            if self.health_notes:",
         "            if False:",
         (
@@ -2247,8 +2247,8 @@ MUTATIONS = [
     Mutation(
         "the host serves a request carrying another host's identity (#23)",
         "trio_gym/host/server.py",
-        "    if host.config.host_identity:  # before busy: a busy stranger is still a stranger\n"
-        "        _check_identity(host.config.host_identity, head)",
+        "    if config.host_identity:  # before busy: a busy stranger is still a stranger\n"
+        "        _check_identity(config.host_identity, head)",
         "    pass",
         (
             "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
@@ -2760,14 +2760,14 @@ MUTATIONS = [
     ),
     Mutation(
         "a runner's start never runs (capabilities as protocols, #25)",
-        "trio_gym/host/state.py",
+        "trio_gym/host/lifecycle.py",
         "            elif isinstance(runner, StartingRunner):",
         "            elif False:",
         ("tests/test_runners.py::test_a_user_runner_loaded_by_import_path_runs_end_to_end",),
     ),
     Mutation(
         "a runner that holds something is never closed (capabilities as protocols, #25)",
-        "trio_gym/host/state.py",
+        "trio_gym/host/lifecycle.py",
         "        if isinstance(self._runner, ClosingRunner):",
         "        if False:",
         (
@@ -2776,7 +2776,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a runner's promise of boundaries ignored (capabilities as protocols, #25)",
-        "trio_gym/host/state.py",
+        "trio_gym/host/lifecycle.py",
         "        return isinstance(self._runner, BoundaryReporter) and self._runner.reports_boundaries",
         "        return False",
         (

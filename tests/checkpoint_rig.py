@@ -64,7 +64,7 @@ async def rig(**config: Any) -> AsyncIterator[Rig]:
     config = {"rollout_deadline_s": 10**6, **config}
     host = Host(ServeConfig(port=0, control_token=TOKEN, **config), runner=runner, wall_time=wall)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(host.checkpoints.watch_lease)
+        nursery.start_soon(host.services.checkpoints.watch_lease)
         opener = in_memory(nursery, host)
         control = HostControl("http://host:1", TOKEN, opener=opener, wall_time=wall)
         client = RolloutClient(URL, ClientSettings(request_deadline_s=10**7), opener=opener)

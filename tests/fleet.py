@@ -137,8 +137,8 @@ class World:
 
     async def _live(self, host: Host, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as life:
-            life.start_soon(host.checkpoints.watch_lease)
-            await life.start(host.keyed.serve)
+            life.start_soon(host.services.checkpoints.watch_lease)
+            await life.start(host.services.keyed.serve)
             task_status.started(life)
             await trio.sleep_forever()
 
@@ -212,7 +212,7 @@ async def fleet(
                 handle,
                 HostClient(url, settings, opener=world.opener(name), deadlines=deadlines),
                 (controls or {}).get(name, HostControl)(
-                    url, TOKEN, opener=world.opener(name, recorded=False), wall_time=wall
+                    url, TOKEN, name=name, opener=world.opener(name, recorded=False), wall_time=wall
                 ),
             )
 

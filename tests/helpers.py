@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 import h11
+import pydantic
 import trio
 import trio.testing
 
@@ -192,7 +193,7 @@ async def running_host(
         try:
             yield host, port
         finally:
-            host.request_shutdown()
+            host.lifecycle.request_shutdown()
 
 
 async def tcp_exchange(port: int, request: bytes, **kwargs: Any) -> Reply:
@@ -213,3 +214,8 @@ def in_memory(nursery: trio.Nursery, host: Host) -> Any:
         return client
 
     return open_stream
+
+
+def wire(reply: pydantic.BaseModel) -> Any:
+    """A control reply as the JSON document it travelled as (what these tests read)."""
+    return reply.model_dump(mode="json")

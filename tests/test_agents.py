@@ -40,7 +40,7 @@ async def agents(*names: str) -> AsyncIterator[dict[str, FakeAgentServer]]:
 async def agents_host(**config: Any) -> AsyncIterator[tuple[Host, int]]:
     async with running_host(ServeConfig(port=0, runner="agents", **config)) as (host, port):
         with trio.fail_after(HANG_GUARD_S):
-            await host.settled.wait()
+            await host.lifecycle.settled.wait()
         yield host, port
 
 
@@ -161,7 +161,7 @@ async def test_a_caller_that_leaves_leaves_nothing_running_on_the_agent() -> Non
                 await stream.aclose()
                 await servers["slow"].wait_for(lambda s: s.running == 0)
     assert servers["slow"].disconnects == 2
-    assert host.stats.examples_cancelled == 2
+    assert host.services.stats.examples_cancelled == 2
 
 
 async def test_an_agent_error_fails_its_example_with_the_status_and_an_excerpt() -> None:
@@ -625,13 +625,13 @@ async def test_a_host_started_before_its_deployment_is_starting_then_ready() -> 
         )
         async with running_host(config) as (host, port), trio.open_nursery() as nursery:
             with trio.fail_after(HANG_GUARD_S):
-                await host.wait_for_phase(
+                await host.lifecycle.wait_for_phase(
                     lambda phase: "does not answer yet" in getattr(phase, "detail", "")
                 )
             starting = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
             await nursery.start(partial(head.serve, port=head_port))
             with trio.fail_after(HANG_GUARD_S):
-                await host.settled.wait()
+                await host.lifecycle.settled.wait()
             reply = await tcp_exchange(port, request_bytes({"examples": [example("math")]}))
             nursery.cancel_scope.cancel()
     assert starting.status == 503 and starting.json()["stage"] == "starting_runner"

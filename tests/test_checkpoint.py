@@ -17,6 +17,7 @@ from tests.helpers import (
     exchange,
     in_memory,
     request_bytes,
+    wire,
 )
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
@@ -43,14 +44,14 @@ async def test_prepare_parks_at_boundaries_and_reports_a_long_wait_step_as_a_blo
             "batch", [episode("quick", think_s=10), episode("slow", think_s=1000)]
         )
         await trio.sleep(15)  # quick is in its second step, slow in its first
-        first = await r.control.prepare("c1", timeout_s=20, lease_s=3000)
+        first = wire(await r.control.prepare("c1", timeout_s=20, lease_s=3000))
         assert first["phase"] == "preparing" and trio.current_time() == 35
         assert first["blockers"] == {"count": 1, "sample": ["slow"]}
         assert first["parked"] == {"count": 1, "sample": ["quick"]}  # parked at 20 s
-        second = await r.control.prepare("c1", timeout_s=2000, lease_s=3000)
+        second = wire(await r.control.prepare("c1", timeout_s=2000, lease_s=3000))
         assert second["phase"] == "prepared" and trio.current_time() == 1000
         await trio.sleep(100)  # parked: nothing moves
-        assert r.host.checkpoints.status().counts.parked == 2
+        assert r.host.services.checkpoints.status().counts.parked == 2
         await r.control.resume("c1", timeout_s=5)
         await r.finish("batch")
     results = results_of(r.rows["batch"])
@@ -65,7 +66,7 @@ async def test_a_replay_step_is_cut_short_and_a_wait_step_is_not(
     async with rig() as r:
         r.stream_in_background("replay", [episode("r", think_s=1000, step_mode="replay")])
         await trio.sleep(5)
-        reply = await r.control.prepare("c1", timeout_s=100)
+        reply = wire(await r.control.prepare("c1", timeout_s=100))
         assert reply["phase"] == "prepared" and trio.current_time() == 5  # cut at once
         await trio.sleep(50)
         await r.control.resume("c1", timeout_s=5)
@@ -76,7 +77,7 @@ async def test_a_replay_step_is_cut_short_and_a_wait_step_is_not(
         start = trio.current_time()
         r.stream_in_background("wait", [episode("w", think_s=1000)])
         await trio.sleep(5)
-        reply = await r.control.prepare("c1", timeout_s=100)
+        reply = wire(await r.control.prepare("c1", timeout_s=100))
         assert reply["phase"] == "preparing" and reply["blockers"]["sample"] == ["w"]
         await r.control.resume("c1", timeout_s=5)
         waited = await r.finish("wait")
@@ -101,13 +102,13 @@ async def test_a_lease_that_expires_resumes_the_host_by_itself(
     async with rig() as r:
         r.stream_in_background("batch", [episode("e", think_s=10)])
         await trio.sleep(5)
-        prepared = await r.control.prepare("c1", timeout_s=20, lease_s=30)
+        prepared = wire(await r.control.prepare("c1", timeout_s=20, lease_s=30))
         assert prepared["phase"] == "prepared"
         await r.control.renew("c1", timeout_s=5, lease_s=30)  # at 10 s: now until 40 s
         await trio.sleep(29)
-        assert (await r.control.status())["phase"] == "prepared"
+        assert (wire(await r.control.status()))["phase"] == "prepared"
         await trio.sleep(2)
-        status = await r.control.status()
+        status = wire(await r.control.status())
         assert status["phase"] == "idle" and status["admission"] == "open"
         with pytest.raises(ControlError) as stale:
             await r.control.commit("c1", "/tmp/never", timeout_s=5)
@@ -122,17 +123,17 @@ async def test_ids_conflict_go_stale_and_completed_calls_replay(
     async with rig() as r:
         r.stream_in_background("batch", [episode("e", think_s=10)])
         await trio.sleep(1)
-        prepared = await r.control.prepare("c1", timeout_s=20)
-        assert await r.control.prepare("c1", timeout_s=20) == prepared
+        prepared = wire(await r.control.prepare("c1", timeout_s=20))
+        assert wire(await r.control.prepare("c1", timeout_s=20)) == prepared
         with pytest.raises(ControlError) as conflict:
             await r.control.prepare("c2", timeout_s=20)
         assert (conflict.value.status, conflict.value.code) == (409, "checkpoint_conflict")
-        committed = await r.control.commit("c1", str(tmp_path / "x"), timeout_s=20)
-        assert await r.control.commit("c1", str(tmp_path / "x"), timeout_s=20) == committed
+        committed = wire(await r.control.commit("c1", str(tmp_path / "x"), timeout_s=20))
+        assert wire(await r.control.commit("c1", str(tmp_path / "x"), timeout_s=20)) == committed
         with pytest.raises(ControlError, match="another directory"):
             await r.control.commit("c1", str(tmp_path / "y"), timeout_s=20)
-        resumed = await r.control.resume("c1", timeout_s=5)
-        assert await r.control.resume("c1", timeout_s=5) == resumed
+        resumed = wire(await r.control.resume("c1", timeout_s=5))
+        assert wire(await r.control.resume("c1", timeout_s=5)) == resumed
         with pytest.raises(ControlError) as stale:
             await r.control.prepare("c1", timeout_s=20)
         assert stale.value.code == "stale_checkpoint"
@@ -155,7 +156,7 @@ async def test_commit_exports_digested_records_and_a_manifest(
         )
         await trio.sleep(12)
         await r.control.prepare("c1", timeout_s=30)
-        reply = await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
+        reply = wire(await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30))
         await r.control.resume("c1", timeout_s=5)
     assert reply["capture_keys"] == ["a", "b"]
     kinds = {p["kind"]: p for p in reply["participants"]}
@@ -175,7 +176,7 @@ async def test_a_tampered_or_unpublished_export_is_refused_and_changes_nothing(
         r.stream_in_background("batch", [episode("a", think_s=10)])
         await trio.sleep(12)
         await r.control.prepare("c1", timeout_s=30)
-        reply = await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
+        reply = wire(await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30))
         await r.control.resume("c1", timeout_s=5)
     store = next(p for p in reply["participants"] if p["kind"] == "side_effect_store")
     records = Path(store["state_directory"]) / store["records_file"]
@@ -189,7 +190,7 @@ async def test_a_tampered_or_unpublished_export_is_refused_and_changes_nothing(
             with pytest.raises(ControlError) as refused:
                 await fresh.control.restore("r1", str(directory), timeout_s=30)
             assert refused.value.code == "export_invalid" and fragment in refused.value.message
-        status = await fresh.control.status()
+        status = wire(await fresh.control.status())
     assert status["phase"] == "idle" and status["counts"]["restored"] == 0
     assert status["admission"] == "open"
 
@@ -205,11 +206,11 @@ async def test_restore_continues_each_episode_once_as_the_next_attempt(
         await a.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
         # host A "crashes" here: never resumed, its nursery simply ends
     async with rig() as b:
-        restored = await b.control.restore("r1", str(tmp_path / "export"), timeout_s=30)
+        restored = wire(await b.control.restore("r1", str(tmp_path / "export"), timeout_s=30))
         assert restored["restored"] == [
             {"rollout_id": "cal", "attempt": 1, "capture_key": "cal-a1", "step": 3}
         ]
-        assert (await b.control.status())["admission"] == "closed"
+        assert (wire(await b.control.status()))["admission"] == "closed"
         again = {**example, "_ng_attempt_index": 1}
         results = await b.client.run([again])  # its own re-dispatch is admitted while closed
         with pytest.raises(RolloutError) as twice:
@@ -260,7 +261,7 @@ async def test_retire_is_refused_during_a_checkpoint_and_stale_until_forget(
         with pytest.raises(ControlError) as open_checkpoint:
             await r.control.retire("t1", [("x", 0)], timeout_s=5)
         await r.control.resume("c1", timeout_s=5)
-        retired = await r.control.retire("t1", [("x", 0)], timeout_s=5)
+        retired = wire(await r.control.retire("t1", [("x", 0)], timeout_s=5))
         with pytest.raises(RolloutError) as stale:
             await r.client.run([episode("x", think_s=1)])
         await r.control.forget("f1", ["x"], timeout_s=5)
@@ -289,7 +290,7 @@ async def test_a_restore_with_the_wrong_participants_changes_nothing(
     async with rig() as fresh:
         with pytest.raises(ControlError) as refused:
             await fresh.control.restore("r1", str(tmp_path / "export"), timeout_s=30)
-        status = await fresh.control.status()
+        status = wire(await fresh.control.status())
     assert refused.value.code == "export_invalid" and "participants" in refused.value.message
     assert status["counts"]["restored"] == 0 and status["admission"] == "open"
     assert len(fresh.runner.inner.store) == 0  # nothing restored into the store either
@@ -301,15 +302,15 @@ async def test_episodes_that_cannot_be_captured_are_restarts_never_waited_for_or
     runner = CountingRunner(ScriptedRunner())  # reports no boundaries: an opaque agent
     host = Host(ServeConfig(port=0, control_token=TOKEN), runner=runner, wall_time=wall)
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(host.checkpoints.watch_lease)
+        nursery.start_soon(host.services.checkpoints.watch_lease)
         opener = in_memory(nursery, host)
         control = HostControl("http://host:1", TOKEN, opener=opener, wall_time=wall)
         client = RolloutClient(URL, opener=opener)
         nursery.start_soon(client.run, [{"sleep_s": 50, "_ng_rollout_id": "opaque"}])
         await trio.sleep(1)
-        prepared = await control.prepare("c1", timeout_s=100)
+        prepared = wire(await control.prepare("c1", timeout_s=100))
         assert trio.current_time() == 1  # nothing to wait for
-        committed = await control.commit("c1", str(tmp_path / "export"), timeout_s=10)
+        committed = wire(await control.commit("c1", str(tmp_path / "export"), timeout_s=10))
         await control.resume("c1", timeout_s=5)
         await runner.wait_for(lambda r: len(r.completed) == 1)  # it kept running throughout
         nursery.cancel_scope.cancel()

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import trio
 
+from tests.helpers import wire
 from tests.processes import LogReader, serve_process
 from trio_gym.protocol.export import read_export
 from trio_gym.runners import ExampleContext, ExampleRunner
@@ -48,9 +49,9 @@ async def test_an_episode_exported_by_a_killed_host_finishes_once_on_another(
         await trio.sleep(0.75)  # in its third step
         control_a = HostControl(url_a, TOKEN)
         with trio.fail_after(HANG_GUARD_S):
-            prepared = await control_a.prepare("c1", timeout_s=10)
+            prepared = wire(await control_a.prepare("c1", timeout_s=10))
             assert prepared["phase"] == "prepared"
-            committed = await control_a.commit("c1", str(export), timeout_s=10)
+            committed = wire(await control_a.commit("c1", str(export), timeout_s=10))
         host_a.send_signal(signal.SIGKILL)  # the crash: no resume, no goodbye
         await host_a.wait()
     assert committed["capture_keys"] == ["cal"]
@@ -67,7 +68,7 @@ async def test_an_episode_exported_by_a_killed_host_finishes_once_on_another(
         control_b = HostControl(url_b, TOKEN)
         client_b = RolloutClient(url_b)
         with trio.fail_after(HANG_GUARD_S):
-            restored = await control_b.restore("r1", str(export), timeout_s=10)
+            restored = wire(await control_b.restore("r1", str(export), timeout_s=10))
             results = await client_b.run([{**example, "_ng_attempt_index": 1}])
             with pytest.raises(RolloutError) as twice:
                 await client_b.run([{**example, "_ng_attempt_index": 1}])

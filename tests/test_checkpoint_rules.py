@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from tests.checkpoint_rig import TOKEN, episode, rig, wall
-from tests.helpers import exchange, in_memory, request_bytes
+from tests.helpers import exchange, in_memory, request_bytes, wire
 from trio_gym.config import ServeConfig
 from trio_gym.errors import WireError
 from trio_gym.host import Host
@@ -77,7 +77,7 @@ async def test_every_operation_needs_the_token_and_the_plane_is_off_without_one(
         opener = r.client.opener
         without = await raw_post(opener, "/control/v1/checkpoint/prepare", body, None)
         wrong = await raw_post(opener, "/control/v1/checkpoint/prepare", body, "guess")
-        status = await r.control.status()
+        status = wire(await r.control.status())
     assert (without.status, wrong.status) == (401, 401)
     assert status["phase"] == "idle" and status["admission"] == "open"  # nothing was prepared
 
@@ -87,14 +87,14 @@ async def test_every_operation_needs_the_token_and_the_plane_is_off_without_one(
         off = await raw_post(opener, "/control/v1/checkpoint/prepare", body, "anything")
         nursery.cancel_scope.cancel()
     assert off.status == 404
-    assert host.episodes.admission_open
+    assert host.services.episodes.admission_open
 
 
 async def test_a_lease_longer_than_an_hour_is_refused(autojump_clock: trio.abc.Clock) -> None:
     async with rig() as r:
         with pytest.raises(ControlError) as refused:
             await r.control.prepare("c1", timeout_s=10, lease_s=3601)
-        status = await r.control.status()
+        status = wire(await r.control.status())
     assert refused.value.code == "invalid_request" and "lease_s" in refused.value.message
     assert status["phase"] == "idle"
 
@@ -141,7 +141,9 @@ async def test_concurrent_commits_of_one_checkpoint_write_one_export(
         async def commit() -> None:
             try:
                 outcomes.append(
-                    await r.host.checkpoints.commit("c1", wall() + 30, tmp_path / "x", None)
+                    await r.host.services.checkpoints.commit(
+                        "c1", wall() + 30, tmp_path / "x", None
+                    )
                 )
             except WireError as exc:
                 outcomes.append(exc)
@@ -163,13 +165,13 @@ async def test_a_manifest_is_never_replaced_by_another_checkpoint(
         r.stream_in_background("batch", [episode("a", think_s=10)])
         await trio.sleep(5)
         await r.control.prepare("c1", timeout_s=30)
-        first = await r.control.commit("c1", str(tmp_path / "x"), timeout_s=30)
+        first = wire(await r.control.commit("c1", str(tmp_path / "x"), timeout_s=30))
         before = (tmp_path / "x" / MANIFEST).read_bytes()
         await r.control.resume("c1", timeout_s=5)
         await r.control.prepare("c2", timeout_s=30)
         with pytest.raises(ControlError) as refused:
             await r.control.commit("c2", str(tmp_path / "x"), timeout_s=30)
-        status = await r.control.status()
+        status = wire(await r.control.status())
         await r.control.resume("c2", timeout_s=5)
     assert (
         refused.value.code == "checkpoint_conflict" and "fresh directory" in refused.value.message
@@ -190,19 +192,23 @@ async def test_commit_and_restore_honour_a_capture_key_scope(
         await trio.sleep(5)
         await a.control.prepare("c1", timeout_s=30)
         with pytest.raises(ControlError) as twice:
-            await a.control.commit("c1", str(tmp_path / "x"), timeout_s=30, capture_keys=["a", "a"])
-        committed = await a.control.commit(
-            "c1", str(tmp_path / "x"), timeout_s=30, capture_keys=["c", "a"]
+            wire(
+                await a.control.commit(
+                    "c1", str(tmp_path / "x"), timeout_s=30, capture_keys=["a", "a"]
+                )
+            )
+        committed = wire(
+            await a.control.commit("c1", str(tmp_path / "x"), timeout_s=30, capture_keys=["c", "a"])
         )
         await a.control.resume("c1", timeout_s=5)
     assert twice.value.code == "invalid_request"
     assert committed["capture_keys"] == ["a", "c"]
     assert all(p["capture_keys"] == ["a", "c"] for p in committed["participants"])
     async with rig() as b:
-        restored = await b.control.restore(
-            "r1", str(tmp_path / "x"), timeout_s=30, capture_keys=["c"]
+        restored = wire(
+            await b.control.restore("r1", str(tmp_path / "x"), timeout_s=30, capture_keys=["c"])
         )
-        status = await b.control.status()
+        status = wire(await b.control.status())
         await b.control.resume("r1", timeout_s=5)
     assert [e["capture_key"] for e in restored["restored"]] == ["c-a1"]
     assert status["counts"]["restored"] == 1
@@ -232,7 +238,7 @@ async def test_a_malformed_manifest_is_refused_and_changes_nothing(
     async with rig() as fresh:
         with pytest.raises(ControlError) as refused:
             await fresh.control.restore("r1", str(directory), timeout_s=30)
-        status = await fresh.control.status()
+        status = wire(await fresh.control.status())
     assert (refused.value.status, refused.value.code) == (422, "export_invalid")
     assert fragment in refused.value.message
     assert status["phase"] == "idle" and status["counts"]["restored"] == 0
@@ -266,7 +272,7 @@ async def test_a_participant_holding_other_episodes_is_refused(
     async with rig() as fresh:
         with pytest.raises(ControlError) as refused:
             await fresh.control.restore("r1", str(directory), timeout_s=30)
-        status = await fresh.control.status()
+        status = wire(await fresh.control.status())
     assert refused.value.code == "export_invalid"
     name = f"{store['server_name']}/{store['kind']}"
     assert f"participant {name} holds records for 1 episode(s), the host for 2" in (
@@ -281,16 +287,16 @@ async def test_a_second_restore_is_refused_and_changes_nothing(
 ) -> None:
     directory = await exported(tmp_path, "a", "b")
     async with rig() as r:
-        first = await r.control.restore("r1", str(directory), timeout_s=30)
-        assert await r.control.restore("r1", str(directory), timeout_s=30) == first  # replay
+        first = wire(await r.control.restore("r1", str(directory), timeout_s=30))
+        assert wire(await r.control.restore("r1", str(directory), timeout_s=30)) == first  # replay
         with pytest.raises(ControlError) as while_restored:
             await r.control.restore("r2", str(directory), timeout_s=30)
-        status = await r.control.status()
+        status = wire(await r.control.status())
         await r.client.run([episode("a", think_s=10, meetings=4, _ng_attempt_index=1)])
         await r.control.resume("r1", timeout_s=5)
         with pytest.raises(ControlError) as again:
             await r.control.restore("r3", str(directory), timeout_s=30)
-        after = await r.control.status()
+        after = wire(await r.control.status())
     assert while_restored.value.code == "checkpoint_conflict"
     assert status["counts"]["restored"] == 2 and len(r.runner.inner.store) >= 1
     assert (again.value.status, again.value.code) == (409, "checkpoint_conflict")
@@ -352,10 +358,10 @@ async def test_retire_frees_a_restored_episode_and_its_records(
     async with rig() as r:
         await r.control.restore("r1", str(directory), timeout_s=30)
         assert len(r.runner.inner.store) == 2
-        retired = await r.control.retire("r1", [("a", 1)], timeout_s=5)
+        retired = wire(await r.control.retire("r1", [("a", 1)], timeout_s=5))
         with pytest.raises(RolloutError) as stale:
             await r.client.run([episode("a", think_s=10, meetings=4, _ng_attempt_index=1)])
-        status = await r.control.status()
+        status = wire(await r.control.status())
         await r.control.resume("r1", timeout_s=5)
     assert retired["complete"] and stale.value.code == "stale_attempt"
     assert len(r.runner.inner.store) == 1  # a's calendar is gone, b's waits
@@ -366,19 +372,19 @@ async def test_retire_and_forget_replay_or_conflict_by_their_arguments(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     async with rig() as r:
-        first = await r.control.retire("t1", [("x", 0)], timeout_s=5)
-        assert await r.control.retire("t1", [("x", 0)], timeout_s=5) == first
+        first = wire(await r.control.retire("t1", [("x", 0)], timeout_s=5))
+        assert wire(await r.control.retire("t1", [("x", 0)], timeout_s=5)) == first
         with pytest.raises(ControlError) as retire_conflict:
             await r.control.retire("t1", [("y", 0)], timeout_s=5)
-        forgot = await r.control.forget("f1", ["x"], timeout_s=5)
-        assert await r.control.forget("f1", ["x"], timeout_s=5) == forgot
+        forgot = wire(await r.control.forget("f1", ["x"], timeout_s=5))
+        assert wire(await r.control.forget("f1", ["x"], timeout_s=5)) == forgot
         with pytest.raises(ControlError) as forget_conflict:
             await r.control.forget("f1", None, timeout_s=5)
         await r.control.prepare("c1", timeout_s=5)
         with pytest.raises(ControlError) as during:
             await r.control.forget("f2", None, timeout_s=5)
         await r.control.resume("c1", timeout_s=5)
-        status = await r.control.status()
+        status = wire(await r.control.status())
     assert retire_conflict.value.code == forget_conflict.value.code == "checkpoint_conflict"
     assert forgot["forgotten"] == 1
     assert during.value.code == "wrong_phase"

@@ -28,6 +28,7 @@ from tests.helpers import URL, CountingRunner, in_memory, running_host
 from tests.processes import serve_process
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
+from trio_gym.http import HttpLimits
 from trio_gym.trainer import ClientSettings, HostClient, Origin, RolloutClient, RolloutError
 from trio_gym.trainer.errors import Reach
 
@@ -456,8 +457,12 @@ async def test_a_413_decided_while_the_client_still_uploads_is_read_as_a_client_
     client must read that early answer instead of dying on the broken upload."""
     import attrs
 
-    async with running_host(runner=CountingRunner(), max_request_bytes=1024 * 1024) as (host, port):
-        host.limits = attrs.evolve(host.limits, drain_max_bytes=1024 * 1024)
+    class Draining(ServeConfig):
+        def http_limits(self) -> HttpLimits:
+            return attrs.evolve(super().http_limits(), drain_max_bytes=1024 * 1024)
+
+    config = Draining(port=0, max_request_bytes=1024 * 1024)
+    async with running_host(config, runner=CountingRunner()) as (host, port):
         settings = ClientSettings(max_request_bytes=1024**3, backoff_s=0)
         client = RolloutClient(f"http://127.0.0.1:{port}", settings)
         with trio.fail_after(HANG_GUARD_S), pytest.raises(RolloutError) as failure:

@@ -28,11 +28,9 @@ class Tampered(HostControl):
     operation = ""
     change: Change = staticmethod(lambda reply: None)
 
-    async def _call(
-        self, method: str, name: str, body: dict[str, Any] | None, timeout_s: float
-    ) -> dict[str, Any]:
-        reply = await super()._call(method, name, body, timeout_s)
-        if name == self.operation:
+    async def _exchange(self, operation: Any, request: Any, timeout_s: float) -> Any:
+        reply = await super()._exchange(operation, request, timeout_s)
+        if operation.name == self.operation:
             self.change(reply)
         return reply
 
@@ -47,7 +45,9 @@ def tamper(f: Fleet, host: str, operation: str, change: Change) -> None:
 
 
 def idle(f: Fleet) -> bool:
-    return all(h.checkpoints.status().phase == CheckpointPhase.IDLE for h in f.hosts.values())
+    return all(
+        h.services.checkpoints.status().phase == CheckpointPhase.IDLE for h in f.hosts.values()
+    )
 
 
 async def test_a_prepare_reply_that_does_not_fit_aborts_the_checkpoint(
@@ -109,7 +109,7 @@ async def test_a_restore_reply_that_does_not_fit_is_undone_on_every_host(
         ):
             await f.coordinator.restore(tmp_path / "c1")
         assert idle(f) and not f.dispatcher.ledger.groups
-        assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
+        assert all(h.services.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
 
 
 async def test_a_retire_reply_that_does_not_fit_keeps_the_attempts_queued(

@@ -50,7 +50,7 @@ async def checkpoint_mid_flight(tmp_path: Path, at: float = 7.0) -> tuple[Any, l
         await trio.sleep(at)
         manifest = await f.coordinator.checkpoint(tmp_path / "c1")
         assert f.dispatcher.gate.is_open and not f.dispatcher.deadlines.holders
-        assert all(h.checkpoints.status().phase == "idle" for h in f.hosts.values())
+        assert all(h.services.checkpoints.status().phase == "idle" for h in f.hosts.values())
     return manifest, f.consumed
 
 
@@ -146,7 +146,7 @@ async def test_a_manifest_pointing_outside_its_checkpoint_is_refused_before_any_
     async with fleet() as f:
         with pytest.raises(RestoreRefused, match="not a path inside the checkpoint"):
             await f.coordinator.restore(tmp_path / "c1")
-        assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
+        assert all(h.services.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
 
 
 @pytest.mark.parametrize(
@@ -173,7 +173,7 @@ async def test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing(
     async with fleet(("a", "c")) as f:
         with pytest.raises(RestoreRefused, match=refusal):
             await f.coordinator.restore(tmp_path / "c1", successors=successors)
-        assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
+        assert all(h.services.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
         assert not f.dispatcher.ledger.groups
 
 
@@ -211,7 +211,7 @@ async def test_a_tampered_export_is_refused_before_any_host_changes(
     async with fleet() as f:
         with pytest.raises(RestoreRefused, match="SHA-256"):
             await f.coordinator.restore(tmp_path / "c1")
-        assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
+        assert all(h.services.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
 
 
 async def test_an_export_swapped_for_another_commit_is_refused(
@@ -224,11 +224,11 @@ async def test_an_export_swapped_for_another_commit_is_refused(
     async with fleet() as f:
         with pytest.raises(RestoreRefused, match="is not the one committed"):
             await f.coordinator.restore(tmp_path / "c1")
-        assert all(h.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
+        assert all(h.services.checkpoints.status().counts.restored == 0 for h in f.hosts.values())
 
 
 class DiesDuringRestore(HostControl):
-    async def restore(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def restore(self, *args: Any, **kwargs: Any) -> Any:
         raise ControlTimeout("restore: no reply (the host died)", code="timeout", status=0)
 
 
@@ -239,7 +239,7 @@ async def test_a_failed_restore_on_one_host_is_undone_on_every_host(
     async with fleet(controls={"b": DiesDuringRestore}) as f:
         with pytest.raises(RestoreFailed, match="b: restore: no reply") as failed:
             await f.coordinator.restore(tmp_path / "c1")
-        statuses = {name: h.checkpoints.status() for name, h in f.hosts.items()}
+        statuses = {name: h.services.checkpoints.status() for name, h in f.hosts.items()}
         assert not f.dispatcher.ledger.groups  # the trainer took nothing in
     assert "every host retired what it restored and resumed" in str(failed.value)
     for status in statuses.values():
@@ -268,7 +268,7 @@ async def test_an_episode_the_trainer_never_dispatched_aborts_the_checkpoint(
             with pytest.raises(CheckpointAborted, match="not-ours, which this trainer never"):
                 await f.coordinator.checkpoint(tmp_path / "c1")
             assert f.dispatcher.gate.is_open
-            assert all(h.checkpoints.status().phase == "idle" for h in f.hosts.values())
+            assert all(h.services.checkpoints.status().phase == "idle" for h in f.hosts.values())
     assert not (tmp_path / "c1" / MANIFEST_NAME).exists()
     assert len(f.consumed) == 2  # the trainer's own work went on
 
@@ -282,7 +282,7 @@ async def test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_abo
         await trio.sleep(5)
         with pytest.raises(CheckpointUnavailable, match="could not park") as first:
             await f.coordinator.checkpoint(tmp_path / "c1")
-        assert all(h.checkpoints.status().phase == "idle" for h in f.hosts.values())
+        assert all(h.services.checkpoints.status().phase == "idle" for h in f.hosts.values())
         assert f.dispatcher.gate.is_open and not f.dispatcher.deadlines.holders
         with pytest.raises(CheckpointAborted, match="2 unavailable in a row"):
             await f.coordinator.checkpoint(tmp_path / "c2")
@@ -333,8 +333,10 @@ class TamperedCommit(HostControl):
         super().__init__(*args, **kwargs)
         self.tamper = tamper
 
-    async def commit(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        reply = await super().commit(*args, **kwargs)
+    async def _exchange(self, operation: Any, request: Any, timeout_s: float) -> Any:
+        reply = await super()._exchange(operation, request, timeout_s)
+        if operation.name != "commit":
+            return reply
         participants = reply["participants"]
         if self.tamper == "unexpected participant":
             participants.append({**participants[-1], "server_name": "stranger"})
@@ -376,7 +378,7 @@ async def test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint(
         )
         with pytest.raises(CheckpointAborted, match=message):
             await f.coordinator.checkpoint(tmp_path / "c1")
-        assert all(h.checkpoints.status().phase == "idle" for h in f.hosts.values())
+        assert all(h.services.checkpoints.status().phase == "idle" for h in f.hosts.values())
         assert f.dispatcher.gate.is_open
     assert not (tmp_path / "c1" / MANIFEST_NAME).exists()
     assert len(f.consumed) == 2

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from tests.fleet import calendar, uninterrupted
+from tests.helpers import wire
 from tests.live import TOKEN, LiveHost, live_hosts
 from trio_gym.trainer import ClientSettings, HostClient
 from trio_gym.trainer.control import HostControl
@@ -67,7 +68,7 @@ async def run_groups(
 
 
 async def statuses(hosts: dict[str, LiveHost]) -> dict[str, dict[str, Any]]:
-    return {name: await host.control().status(timeout_s=5) for name, host in hosts.items()}
+    return {name: wire(await host.control().status(timeout_s=5)) for name, host in hosts.items()}
 
 
 async def test_a_full_cycle_and_a_restore_against_live_hosts(tmp_path: Path) -> None:
@@ -163,7 +164,7 @@ async def test_a_host_that_dies_makes_the_checkpoint_unavailable_and_the_others_
                 await hosts["b"].process.wait()
                 with pytest.raises(CheckpointUnavailable) as unavailable:
                     await coordinator.checkpoint(tmp_path / "c1")
-                alive = await hosts["a"].control().status(timeout_s=5)
+                alive = wire(await hosts["a"].control().status(timeout_s=5))
                 work.cancel_scope.cancel()
     assert "b: " in str(unavailable.value)
     assert alive["phase"] == "idle" and alive["admission"] == "open"

@@ -103,7 +103,7 @@ async def test_rows_missing_from_a_cut_stream_are_abandoned_retired_and_resent_u
 
     async with fleet(("a",), client=NO_REATTACH, on_result=cut_after_the_first_row) as f:
         await f.dispatcher.run_group("g", examples)
-        status = f.hosts["a"].checkpoints.status()
+        status = f.hosts["a"].services.checkpoints.status()
     ledger = f.dispatcher.ledger
     token = ledger.incarnation
     assert states(ledger, "g") == [
@@ -137,7 +137,7 @@ async def test_a_stream_cut_while_its_host_lives_reattaches_and_no_row_is_lost(
     ]
     runner = f.runners["a"]
     assert (len(runner.started), len(runner.completed), len(runner.cancelled)) == (2, 2, 0)
-    assert f.hosts["a"].keyed.reattached_total == 1
+    assert f.hosts["a"].services.keyed.reattached_total == 1
     expected = await uninterrupted(examples[1])
     assert consumed[1].result["booked"] == expected["booked"]
 
@@ -170,7 +170,7 @@ async def test_a_dropped_group_is_retired_by_the_next_checkpoint_before_prepare(
         assert attempt.state is AttemptState.ABANDONED
         assert f.dispatcher.to_retire["a"] == {(attempt.rollout_id, 0)}
         manifest = await f.coordinator.checkpoint(tmp_path / "c1")
-        status = f.hosts["a"].checkpoints.status()
+        status = f.hosts["a"].services.checkpoints.status()
     assert f.dispatcher.to_retire["a"] == set()  # retired, so forgotten here
     assert status.counts.retired == 1 and status.phase == "idle"
     assert manifest.hosts[0].episodes == []
@@ -246,7 +246,7 @@ async def test_an_identity_a_host_still_runs_is_a_loss_not_a_result(
         again = Dispatcher(list(f.dispatcher.hosts.values()), consumed.append, ledger=same)
         async with again:
             await again.run_group("g", group)
-        status = f.hosts["a"].checkpoints.status()
+        status = f.hosts["a"].services.checkpoints.status()
     token = same.incarnation
     assert [sealed.error for sealed in consumed] == [None]
     assert states(same, "g") == [

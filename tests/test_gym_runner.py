@@ -25,7 +25,7 @@ from tests.packages import native_package
 from tests.processes import LogReader, kill_all, processes_with, serve_process
 from trio_gym.config import ServeConfig, load_serve_config
 from trio_gym.host import Host
-from trio_gym.host.state import Failed
+from trio_gym.host.lifecycle import Failed
 from trio_gym.install import load_package
 from trio_gym.runners.gym import (
     DEPLOYMENT_VARIABLE,
@@ -91,7 +91,7 @@ def gym_config(tmp_path: Path, gym_python: str, fake: dict[str, Any], **config: 
 async def gym_host(config: ServeConfig) -> AsyncIterator[tuple[Host, int]]:
     async with running_host(config) as (host, port):
         with trio.fail_after(HANG_GUARD_S):
-            await host.settled.wait()
+            await host.lifecycle.settled.wait()
         yield host, port
 
 
@@ -212,10 +212,12 @@ async def test_the_host_starts_gym_waits_for_it_and_runs_rows_through_it(
     )
     async with running_host(config) as (host, port):
         with trio.fail_after(HANG_GUARD_S):
-            await host.wait_for_phase(lambda phase: getattr(phase, "stage", "") == "starting_gym")
+            await host.lifecycle.wait_for_phase(
+                lambda phase: getattr(phase, "stage", "") == "starting_gym"
+            )
         starting = await health(port)
         with trio.fail_after(HANG_GUARD_S):
-            await host.settled.wait()
+            await host.lifecycle.settled.wait()
         ready = await health(port)
         reply = await tcp_exchange(port, request_bytes({"examples": [ROW]}))
     start = started_with(tmp_path / "work")
@@ -277,7 +279,7 @@ async def test_a_gym_that_is_never_up_fails_at_the_start_timeout_and_is_stopped(
         reply = await health(port)
         tag = started_with(tmp_path / "work")["env"][DEPLOYMENT_VARIABLE]
         await until_no_gym_process(tag)  # stopped at the timeout, the host still up
-        assert host.shutdown_requested.is_set() is False
+        assert host.lifecycle.shutdown_requested.is_set() is False
     message = reply.json()["error"]["message"]
     assert "was not up within 1 s (gym_start_timeout_s)" in message
     assert "says the deployment is not ready (HTTP 503)" in message
@@ -290,7 +292,7 @@ async def test_a_gym_that_exits_after_it_is_up_turns_health_failed(
     async with gym_host(config) as (host, port):
         assert (await health(port)).status == 200
         with trio.fail_after(HANG_GUARD_S):
-            await host.wait_for_phase(lambda phase: isinstance(phase, Failed))
+            await host.lifecycle.wait_for_phase(lambda phase: isinstance(phase, Failed))
         reply = await health(port)
         refused = await tcp_exchange(port, request_bytes({"examples": [ROW]}))
     document = reply.json()
@@ -307,7 +309,7 @@ async def test_a_gym_that_exits_while_the_runner_starts_leaves_the_host_failed(
     config = gym_config(tmp_path, fake_gym_python, fake)
     async with gym_host(config) as (host, port):
         with trio.fail_after(HANG_GUARD_S):
-            await host.settled.wait()
+            await host.lifecycle.settled.wait()
         reply = await health(port)
     document = reply.json()
     assert document["status"] == "failed" and document["stage"] == "gym"

@@ -65,17 +65,17 @@ async def test_heartbeats_ride_the_hosts_pacer_or_one_the_batch_owns(
 ) -> None:
     host = make_host(CountingRunner(), heartbeat_interval_s=10)
     on_host_pacer: list[float] = []
-    start_every = host.pacer.start_every
+    start_every = host.services.pacer.start_every
 
     def record(interval_s: float, call: Any) -> Any:
         on_host_pacer.append(interval_s)
         return start_every(interval_s, call)
 
-    host.pacer.start_every = record  # type: ignore[method-assign]
+    host.services.pacer.start_every = record  # type: ignore[method-assign]
     start = trio.current_time()
     async with trio.open_nursery() as nursery:
         if served:  # as serve runs it, for every connection of the host
-            await nursery.start(host.pacer.run)
+            await nursery.start(host.services.pacer.run)
         client = open_connection(nursery, host)
         reply = await exchange(client, request_bytes(episodes(1, meetings=2, think_s=24)))
         nursery.cancel_scope.cancel()
@@ -99,7 +99,7 @@ async def test_deadline_cancels_every_running_example(autojump_clock: trio.abc.C
     assert sorted(index for index, _ in runner.cancelled) == [0, 1, 2, 3, 4]
     assert all(at - start == 60 for _, at in runner.cancelled)
     assert not runner.completed
-    assert host.stats.examples_cancelled == 5 and host.stats.examples_running == 0
+    assert host.services.stats.examples_cancelled == 5 and host.services.stats.examples_running == 0
 
 
 async def test_host_deadline_caps_the_request_deadline(autojump_clock: trio.abc.Clock) -> None:
@@ -131,7 +131,7 @@ async def test_disconnect_mid_batch_cancels_every_example_within_one_interval(
     assert sorted(index for index, _ in runner.cancelled) == [0, 1, 2, 3]
     assert max(at for _, at in runner.cancelled) - left_at <= 15
     assert not runner.completed
-    assert host.stats.examples_running == 0 and host.stats.batches_running == 0
+    assert host.services.stats.examples_running == 0 and host.services.stats.batches_running == 0
 
 
 async def test_half_closed_caller_still_gets_its_answer(autojump_clock: trio.abc.Clock) -> None:
@@ -157,7 +157,7 @@ async def test_shutdown_answers_in_flight_batches_with_shutting_down(
         await client.send_all(request_bytes(episodes(3, meetings=3, think_s=100)))
         await runner.wait_for(lambda r: len(r.started) == 3)
         await trio.sleep(50)
-        host.request_shutdown()
+        host.lifecycle.request_shutdown()
         reply = await read_reply(client)
     assert reply.status == 200 and reply.complete
     assert reply.json()["error"]["code"] == "shutting_down"
@@ -230,7 +230,7 @@ async def test_http_10_caller_gets_503_when_the_host_shuts_down(
         client = open_connection(nursery, host)
         await client.send_all(request_bytes(episodes(2, meetings=3, think_s=100), version="1.0"))
         await runner.wait_for(lambda r: len(r.started) == 2)
-        host.request_shutdown()
+        host.lifecycle.request_shutdown()
         reply = await read_reply(client)
     assert reply.status == 503 and reply.framing == "content-length"
     assert reply.json()["error"]["code"] == "shutting_down"
@@ -260,7 +260,7 @@ async def test_examples_of_a_runner_with_its_own_nursery_are_counted(
         reply = await exchange(client, request_bytes({"examples": [{}, {}]}))
     assert reply.json()["error"]["code"] == "deadline_exceeded"
     assert len(runner.cancelled) == 2
-    assert host.stats.examples_cancelled == 2 and host.stats.examples_running == 0
+    assert host.services.stats.examples_cancelled == 2 and host.services.stats.examples_running == 0
 
 
 async def test_a_cancelled_connection_gives_back_its_slot(autojump_clock: trio.abc.Clock) -> None:
@@ -270,17 +270,17 @@ async def test_a_cancelled_connection_gives_back_its_slot(autojump_clock: trio.a
             client = open_connection(nursery, host)
             await client.send_all(b"POST /rollouts/run HTTP/1.1\r\n")  # a head still arriving
         await trio.sleep(1)
-        assert host.stats.connections_open == 2
+        assert host.services.stats.connections_open == 2
         nursery.cancel_scope.cancel()
-    assert host.stats.connections_open == 0
-    assert host.connection_slots.borrowed_tokens == 0
+    assert host.services.stats.connections_open == 0
+    assert host.admission.served.slots.borrowed_tokens == 0
 
 
 async def test_beyond_the_cap_a_bounded_overflow_hears_503_and_the_rest_are_closed(
     autojump_clock: trio.abc.Clock,
 ) -> None:
     host = make_host(CountingRunner(), max_connections=1, read_timeout_s=30)
-    overflow = host.overflow_slots.total_tokens
+    overflow = host.admission.refused.slots.total_tokens
     async with trio.open_nursery() as nursery:
 
         async def connect() -> Any:
@@ -352,7 +352,7 @@ async def test_a_shutdown_while_the_body_arrives_refuses_the_batch(
         client = open_connection(nursery, host)
         await client.send_all(request[:-10])
         await trio.sleep(5)
-        host.request_shutdown()
+        host.lifecycle.request_shutdown()
         await client.send_all(request[-10:])
         reply = await read_reply(client)
     assert reply.status == 503 and reply.json()["error"]["code"] == "shutting_down"

@@ -355,12 +355,12 @@ async def test_extra_connections_beyond_the_cap_get_503_host_busy() -> None:
     async with running_host(runner=CountingRunner(), max_connections=1) as (host, port):
         holder = await trio.open_tcp_stream("127.0.0.1", port)  # takes the only slot
         async with holder:
-            while host.stats.connections_open < 1:  # noqa: ASYNC110 (the host has no such event)
+            while host.services.stats.connections_open < 1:  # noqa: ASYNC110 (the host has no such event)
                 await trio.sleep(0.01)
             reply = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
             assert reply.status == 503 and error_code(reply) == "host_busy"
             assert reply.headers["retry-after"] == "1"
-        while host.stats.connections_open:  # noqa: ASYNC110
+        while host.services.stats.connections_open:  # noqa: ASYNC110
             await trio.sleep(0.01)
         again = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
     assert again.status == 200
@@ -378,7 +378,7 @@ async def test_health_and_post_while_the_runner_loads_then_ready(
         post = await tcp_exchange(port, request_bytes({"examples": []}))
         slow_runner_module.release()
         with trio.fail_after(HANG_GUARD_S):
-            await host.settled.wait()
+            await host.lifecycle.settled.wait()
         ready = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
     assert health.status == 503
     assert health.json() == {"status": "starting", "stage": "starting_runner"}
@@ -390,7 +390,7 @@ async def test_a_failed_start_is_reported_on_health_and_post() -> None:
     config = ServeConfig(port=0, runner="tests.no_such_module:factory")
     async with running_host(config) as (host, port):
         with trio.fail_after(HANG_GUARD_S):
-            await host.settled.wait()
+            await host.lifecycle.settled.wait()
         health = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
         post = await tcp_exchange(port, request_bytes({"examples": []}))
     assert health.status == 503
@@ -589,7 +589,7 @@ async def test_a_caller_that_leaves_mid_batch_cancels_every_example(how: str) ->
             sock.close()
             await runner.wait_for(lambda r: len(r.cancelled) == 4)
     assert not runner.completed
-    assert host.stats.examples_running == 0
+    assert host.services.stats.examples_running == 0
 
 
 async def test_a_half_closed_caller_over_tcp_gets_its_answer() -> None:
@@ -700,7 +700,7 @@ async def test_heartbeats_go_on_while_a_stopping_host_waits_for_a_batch() -> Non
             nursery.start_soon(read)
             await trio.sleep(0.5)
             stopping_at = trio.current_time()
-            host.request_shutdown()
+            host.lifecycle.request_shutdown()
     (reply,) = replies
     beats = [at for at, data in reply.pieces if data == b" " and at > stopping_at + 0.05]
     assert reply.json()["error"]["code"] == "shutting_down"

@@ -104,7 +104,7 @@ async def test_mutated_requests_never_kill_the_host_and_each_gets_http_or_a_clos
                     nursery.start_soon(send, data, slots)
         health = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
         batch = await tcp_exchange(port, REQUESTS[0])
-        stats = host.stats
+        stats = host.services.stats
     assert health.status == 200 and batch.status == 200 and len(batch.json()["results"]) == 2
     assert len(statuses) == len(inputs)
     assert 500 not in statuses and set(statuses) <= {

@@ -13,7 +13,7 @@ import trio
 
 from tests.canned import CannedHost, chunked_response, json_response, respond
 from tests.fake_opensandbox import free_port
-from tests.helpers import CountingRunner, in_memory
+from tests.helpers import CountingRunner, in_memory, wire
 from tests.processes import serve_process
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
@@ -230,7 +230,7 @@ async def test_a_dispatchers_host_carries_its_identity_on_rollouts_and_control_c
         stranger = RemoteHost.launched(
             HostHandle("a", A, control_token="t0ken", identity="theirs"), opener=opener
         )
-        assert (await ours.control.status(timeout_s=5)) is not None
+        assert (wire(await ours.control.status(timeout_s=5))) is not None
         assert len(await ours.client.post(examples(1))) == 1
         with pytest.raises(ControlError) as refused:
             await stranger.control.status(timeout_s=5)

@@ -45,7 +45,9 @@ def keyed(body: dict[str, Any], key: str = KEY, *, rows: bool = False) -> bytes:
 async def keyed_host(runner: CountingRunner, **config: Any) -> AsyncIterator[Any]:
     host = Host(ServeConfig(port=0, heartbeat_interval_s=15, **config), runner=runner)
     async with trio.open_nursery() as nursery:
-        await nursery.start(host.keyed.serve)  # what serve() runs among the host's services
+        await nursery.start(
+            host.services.keyed.serve
+        )  # what serve() runs among the host's services
 
         def connect() -> trio.abc.Stream:
             client, server = trio.testing.memory_stream_pair()
@@ -75,7 +77,7 @@ async def test_a_second_post_with_the_same_key_attaches_and_gets_the_answer_from
     assert second.pieces[0][0] == start  # the heartbeats it missed, at once
     assert [r["seed"] for r in second.json()["results"]] == [0, 1]
     assert len(runner.started) == 2 and len(runner.completed) == 2  # ran once
-    assert host.keyed.reattached_total == 1
+    assert host.services.keyed.reattached_total == 1
 
 
 async def test_a_finished_answer_is_handed_out_again_until_its_retention_then_refused(
@@ -165,7 +167,7 @@ async def test_a_keyed_batch_no_caller_comes_back_for_is_cancelled_at_its_grace(
     assert 60 <= cancelled_after <= 60 + 15
     assert late.status == 410
     assert "stopped before its answer ended" in late.json()["error"]["message"]
-    assert host.stats.batches_running == 0 and not runner.completed
+    assert host.services.stats.batches_running == 0 and not runner.completed
 
 
 async def test_an_unkeyed_batch_is_still_cancelled_at_its_callers_disconnect(

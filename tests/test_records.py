@@ -146,7 +146,7 @@ async def test_a_row_whose_line_never_reaches_its_caller_keeps_its_snapshot(
             await workers.wait_for("finish", 1)
             await trio.sleep(60)  # past send_timeout_s: the host has given the caller up
         nursery.cancel_scope.cancel()
-    assert host.stats.connections_open == 0  # given up, its batch abandoned
+    assert host.services.stats.connections_open == 0  # given up, its batch abandoned
     assert workers.retired() == []  # its line never left: nothing retired
 
 
@@ -209,7 +209,7 @@ async def test_failure_records_in_place_keep_every_other_result() -> None:
     assert failed["_ng_failure_class"] == "agent_run_error"
     assert failed["_ng_failure_http_status"] == 500 and failed["finished_by"] == 1  # by Gym too
     assert failed["_ng_task_index"] == 1 and failed["agent_ref"] == {"name": "weather"}
-    assert rig.host.stats.examples_cancelled == 0  # its chunk-mates ran to the end
+    assert rig.host.services.stats.examples_cancelled == 0  # its chunk-mates ran to the end
 
 
 async def test_one_rollout_id_runs_once_at_a_time_while_its_captures_are_kept() -> None:
@@ -247,7 +247,7 @@ async def test_an_agents_host_that_cannot_finalize_says_so_once_and_in_its_healt
         with caplog.at_level(logging.WARNING, logger="trio_gym"):
             async with running_host(config) as (host, port):
                 with trio.fail_after(HANG_GUARD_S):
-                    await host.settled.wait()
+                    await host.lifecycle.settled.wait()
                     health = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
                     reply = await tcp_exchange(port, request_bytes({"examples": [row()]}))
         nursery.cancel_scope.cancel()

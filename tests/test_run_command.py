@@ -127,7 +127,7 @@ async def test_a_failed_example_costs_its_chunk_mates_nothing_and_lands_beside_t
     # One chunk of six: the five others were not cancelled with it, and keep their order.
     assert written == [0, 1, 3, 4, 5]
     assert [f["_ng_task_index"] for f in failed] == [42]  # the row's own, carried
-    assert host.stats.examples_cancelled == 0
+    assert host.services.stats.examples_cancelled == 0
     assert clean.returncode == 0 and not stale.exists()  # no stale sidecar beside clean results
 
 

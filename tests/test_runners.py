@@ -21,7 +21,7 @@ HANG_GUARD_S = 30
 async def started_host_reply(runner: str, batch: dict[str, Any]) -> tuple[Any, Any, Any]:
     async with running_host(ServeConfig(port=0, runner=runner)) as (host, port):
         with trio.fail_after(HANG_GUARD_S):
-            await host.settled.wait()
+            await host.lifecycle.settled.wait()
         health = await tcp_exchange(port, request_bytes(method="GET", target="/health"))
         reply = await tcp_exchange(port, request_bytes(batch)) if health.status == 200 else None
     return host, health, reply
@@ -34,7 +34,7 @@ async def test_a_user_runner_loaded_by_import_path_runs_end_to_end() -> None:
     (result,) = reply.json()["results"]
     assert result["echo"] == "HELLO BIG" and result["reward"] == 2.0
     assert result["_ng_task_index"] == 7 and "_ng_attempt_index" not in result
-    assert host.episodes.boundaries == 3  # before the first step and after each of two
+    assert host.services.episodes.boundaries == 3  # before the first step and after each of two
 
 
 async def test_a_user_runners_check_refuses_a_bad_example_with_400() -> None:
@@ -99,7 +99,7 @@ class Holding(ScriptedRunner):
     async def aclose(self) -> None:
         assert self.host is not None
         await trio.lowlevel.checkpoint()
-        self.closed_with_connections_open.append(self.host.stats.connections_open)
+        self.closed_with_connections_open.append(self.host.services.stats.connections_open)
 
 
 async def test_a_runner_that_holds_something_is_closed_once_after_serving_ends() -> None:
@@ -122,6 +122,8 @@ async def test_only_a_boundary_reporter_is_waited_for_before_its_first_boundary(
     """An episode that has not reported a boundary yet is a blocker a checkpoint waits for when
     its runner promises boundaries, and a restart (never waited for) when it does not."""
     host = Host(ServeConfig(port=0, control_token="t"), runner=runner)
-    live = host.episodes.admit(EpisodeId("r", 0), "b", 0, PausableDeadline(trio.CancelScope()))
-    assert host.episodes.blockers() == ([live] if capturable else [])
-    assert host.episodes.restarts() == ([] if capturable else [live])
+    live = host.services.episodes.admit(
+        EpisodeId("r", 0), "b", 0, PausableDeadline(trio.CancelScope())
+    )
+    assert host.services.episodes.blockers() == ([live] if capturable else [])
+    assert host.services.episodes.restarts() == ([] if capturable else [live])

@@ -314,10 +314,10 @@ async def _stop_on_signals(host: Host, scope: trio.CancelScope) -> None:
     """First SIGINT/SIGTERM: graceful shutdown. A second one: stop now."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
-            if host.shutdown_requested.is_set():
+            if host.lifecycle.shutdown_requested.is_set():
                 scope.cancel()
                 return
-            host.request_shutdown()
+            host.lifecycle.request_shutdown()
 
 
 def _run(args: argparse.Namespace) -> int:

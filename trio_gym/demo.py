@@ -76,7 +76,7 @@ async def run_demo(count: int, out: TextIO = sys.stderr) -> int:
     chunks = -(-count // CHUNK_SIZE)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(serve, host)
-        await host.settled.wait()
+        await host.lifecycle.settled.wait()
         url = f"http://127.0.0.1:{port}"
         print(
             f"trio-gym demo: host at {url} running the example calendar environment\n"
@@ -94,7 +94,7 @@ async def run_demo(count: int, out: TextIO = sys.stderr) -> int:
             print(f"trio-gym demo: the batch failed: {exc}", file=out)
             return 1
         finally:
-            host.request_shutdown()
+            host.lifecycle.request_shutdown()
         elapsed = trio.current_time() - progress.started
     print_summary(examples, results, elapsed, progress.heartbeats, sys.stdout)
     return 0

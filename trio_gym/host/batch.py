@@ -37,7 +37,7 @@ from trio_gym.runners import ExampleContext
 from trio_gym.runners.base import Delivery, RecordedFailure
 
 from .episodes import LiveEpisode
-from .state import Host, ResultsInfo
+from .state import ResultsInfo, Services
 
 # The upstream host's bounds for a reported traceback: enough to find the failing line of a
 # runner, small enough to read in a log viewer and to never crowd out the results.
@@ -162,7 +162,7 @@ class AttemptRetired(Exception):
 
 
 async def run_examples(
-    host: Host,
+    services: Services,
     examples: Sequence[Mapping[str, Any]],
     episodes: Sequence[LiveEpisode],
     finished: Finished,
@@ -180,11 +180,11 @@ async def run_examples(
     async with trio.open_nursery() as nursery:
         for live in episodes:
             example = examples[live.index]
-            nursery.start_soon(run_example, host, example, live, finished, failed, row_offset)
+            nursery.start_soon(run_example, services, example, live, finished, failed, row_offset)
 
 
 async def run_example(
-    host: Host,
+    services: Services,
     example: Mapping[str, Any],
     episode: LiveEpisode,
     finished: Finished,
@@ -204,20 +204,20 @@ async def run_example(
         position=row_offset + episode.index,
         capture_key=episode.id.capture_key,
         restored=episode.restored.state if episode.restored is not None else None,
-        hooks=host.episodes,
+        hooks=services.episodes,
     )
-    identity = episode.id if host.tracks_episodes else None
+    identity = episode.id if services.tracks_episodes else None
     if identity is not None and rollout_id_of(example) is None:
         example = {**example, ROLLOUT_ID_KEY: identity.rollout_id}
     episode.started = True
-    host.stats.examples_started += 1
+    services.stats.examples_started += 1
     # Counted in `finally`: a runner with a nursery of its own ends a cancellation with a group
     # of Cancelled, which `except trio.Cancelled` would not see.
     outcome = "cancelled"
     failure: ExampleFailed | None = None
     try:
         with episode.scope:
-            result = await host.runner.run_example(example, context)
+            result = await services.lifecycle.runner.run_example(example, context)
             outcome = "completed"
     except Exception as exc:  # any runner failure is this example's failure, reported as such
         outcome = "failed"
@@ -225,8 +225,8 @@ async def run_example(
         failure = ExampleFailed(episode.index, exc, record)
         failure.__cause__ = exc
     finally:
-        host.stats.count_end(outcome)
-        host.episodes.end(episode)
+        services.stats.count_end(outcome)
+        services.episodes.end(episode)
     if failure is None and episode.scope.cancelled_caught:
         retired = AttemptRetired(f"{episode.id.capture_key} was retired while it ran")
         record = failure_record(example, context.position, retired, identity, STALE_ATTEMPT)

@@ -23,7 +23,7 @@ from trio_gym.errors import ErrorCode, WireError, describe_validation_error
 from trio_gym.http import HttpConnection, read_body, send_json
 from trio_gym.http.h11_build import h11
 from trio_gym.protocol.control import (
-    REQUESTS,
+    OPERATIONS,
     Commit,
     Forget,
     Prepare,
@@ -32,10 +32,9 @@ from trio_gym.protocol.control import (
     Restore,
     Resume,
     Retire,
-    path,
 )
 
-from .state import Host
+from .state import Services
 
 MAX_CONTROL_BODY: Final = 1024 * 1024
 
@@ -47,41 +46,43 @@ def _absolute(directory: str) -> Path:
     return path
 
 
-async def _prepare(host: Host, call: Prepare) -> Reply:
-    return await host.checkpoints.prepare(call.checkpoint_id, call.deadline, call.lease_s)
+async def _prepare(services: Services, call: Prepare) -> Reply:
+    return await services.checkpoints.prepare(call.checkpoint_id, call.deadline, call.lease_s)
 
 
-async def _renew(host: Host, call: Renew) -> Reply:
-    return host.checkpoints.renew(call.checkpoint_id, call.lease_s)
+async def _renew(services: Services, call: Renew) -> Reply:
+    return services.checkpoints.renew(call.checkpoint_id, call.lease_s)
 
 
-async def _commit(host: Host, call: Commit) -> Reply:
+async def _commit(services: Services, call: Commit) -> Reply:
     directory = _absolute(call.directory)
-    return await host.checkpoints.commit(
+    return await services.checkpoints.commit(
         call.checkpoint_id, call.deadline, directory, call.capture_keys
     )
 
 
-async def _resume(host: Host, call: Resume) -> Reply:
-    return host.checkpoints.resume(call.checkpoint_id)
+async def _resume(services: Services, call: Resume) -> Reply:
+    return services.checkpoints.resume(call.checkpoint_id)
 
 
-async def _restore(host: Host, call: Restore) -> Reply:
+async def _restore(services: Services, call: Restore) -> Reply:
     directory = _absolute(call.directory)
-    return host.checkpoints.restore(call.checkpoint_id, directory, call.capture_keys, call.lease_s)
+    return services.checkpoints.restore(
+        call.checkpoint_id, directory, call.capture_keys, call.lease_s
+    )
 
 
-async def _retire(host: Host, call: Retire) -> Reply:
+async def _retire(services: Services, call: Retire) -> Reply:
     rollouts = [(rollout.rollout_id, rollout.attempt) for rollout in call.rollouts]
-    return await host.checkpoints.retire(call.checkpoint_id, call.deadline, rollouts)
+    return await services.checkpoints.retire(call.checkpoint_id, call.deadline, rollouts)
 
 
-async def _forget(host: Host, call: Forget) -> Reply:
-    return host.checkpoints.forget(call.checkpoint_id, call.rollout_ids)
+async def _forget(services: Services, call: Forget) -> Reply:
+    return services.checkpoints.forget(call.checkpoint_id, call.rollout_ids)
 
 
-Operation = Callable[[Host, Any], Awaitable[Reply]]
-OPERATIONS: Final[dict[str, Operation]] = {
+# What carries out each POST operation of the protocol's table (status is answer_status).
+CARRY_OUT: Final[dict[str, Callable[[Services, Any], Awaitable[Reply]]]] = {
     "prepare": _prepare,
     "renew": _renew,
     "commit": _commit,
@@ -92,12 +93,8 @@ OPERATIONS: Final[dict[str, Operation]] = {
 }
 
 
-def control_paths() -> list[str]:
-    return [path("status"), *(path(name) for name in OPERATIONS)]
-
-
-def _authorize(host: Host, head: h11.Request) -> None:
-    token = host.config.control_token
+def _authorize(services: Services, head: h11.Request) -> None:
+    token = services.config.control_token
     if not token:
         raise WireError(
             ErrorCode.NOT_FOUND,
@@ -115,17 +112,17 @@ def _authorize(host: Host, head: h11.Request) -> None:
         )
 
 
-async def answer_status(host: Host, conn: HttpConnection, head: h11.Request) -> None:
-    _authorize(host, head)
-    await send_json(conn, 200, host.checkpoints.status().model_dump(mode="json"))
+async def answer_status(services: Services, conn: HttpConnection, head: h11.Request) -> None:
+    _authorize(services, head)
+    await send_json(conn, 200, services.checkpoints.status().model_dump(mode="json"))
 
 
-async def answer_operation(host: Host, conn: HttpConnection, head: h11.Request) -> None:
-    _authorize(host, head)
+async def answer_operation(services: Services, conn: HttpConnection, head: h11.Request) -> None:
+    _authorize(services, head)
     name = head.target.decode("ascii", "replace").partition("?")[0].rsplit("/", 1)[-1]
-    model, operation = REQUESTS[name], OPERATIONS[name]
+    model, carry_out = OPERATIONS[name].request, CARRY_OUT[name]
     body = await read_body(
-        conn, head, max_bytes=MAX_CONTROL_BODY, idle_timeout_s=host.limits.read_timeout_s
+        conn, head, max_bytes=MAX_CONTROL_BODY, idle_timeout_s=services.limits.read_timeout_s
     )
     try:
         call = model.model_validate(json.loads(body))
@@ -134,10 +131,10 @@ async def answer_operation(host: Host, conn: HttpConnection, head: h11.Request) 
             describe_validation_error(exc) if isinstance(exc, pydantic.ValidationError) else exc
         )
         raise WireError(ErrorCode.INVALID_REQUEST, f"{name}: {detail}") from exc
-    if call.deadline <= host.checkpoints.wall(trio.current_time()):
+    if call.deadline <= services.checkpoints.wall(trio.current_time()):
         raise WireError(
             ErrorCode.DEADLINE_EXCEEDED,
             f"{name}: its deadline had passed when it arrived; check the clocks or the timeout",
         )
-    reply = await operation(host, call)
+    reply = await carry_out(services, call)
     await send_json(conn, 200, reply.model_dump(mode="json"))

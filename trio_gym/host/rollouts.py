@@ -49,7 +49,7 @@ from .batch import (
 from .episodes import LiveEpisode
 from .reattach import KeyedCaller, idempotency_key, request_digest
 from .rows import NDJSON, answer_with_rows
-from .state import Host
+from .state import Services
 from .supervision import Caller, ConnectionCaller, supervise
 
 JSON: Final = "application/json"
@@ -176,14 +176,14 @@ def wants_rows(head: h11.Request) -> bool:
     )
 
 
-async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -> None:
+async def answer_rollouts(services: Services, conn: HttpConnection, head: h11.Request) -> None:
     """Answer one ``POST /rollouts/run``.
 
     Refusals before the status line (503, 400, 406, 408, 413) are raised as :class:`WireError`
     for the caller to send; once the status line has left, every failure goes into the answer.
     Returns quietly if the caller left (the batch is logged ``abandoned``).
     """
-    host.check_accepting()
+    services.lifecycle.check_accepting()
     rows = wants_rows(head)
     if rows and conn.their_http_version != b"1.1":
         raise WireError(
@@ -195,14 +195,14 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
     body = await read_body(
         conn,
         head,
-        max_bytes=host.config.max_request_bytes,
-        idle_timeout_s=host.limits.read_timeout_s,
-        min_rate=host.limits.min_body_rate,
+        max_bytes=services.config.max_request_bytes,
+        idle_timeout_s=services.limits.read_timeout_s,
+        min_rate=services.limits.min_body_rate,
         advice=TOO_LARGE_ADVICE,
     )
-    keyed = host.keyed
+    keyed = services.keyed
     if key is None or not keyed.running:  # a host driven without serve: as if unkeyed
-        await run_batch(host, ConnectionCaller(conn), body, rows)
+        await run_batch(services, ConnectionCaller(conn), body, rows)
         return
     version = conn.their_http_version or b""
     digest = request_digest(body, rows=rows, http_version=version)
@@ -210,7 +210,9 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
     again = found is not None
     if found is None:
         found = keyed.start(
-            key, digest, lambda own: run_batch(host, KeyedCaller(keyed, own, version), body, rows)
+            key,
+            digest,
+            lambda own: run_batch(services, KeyedCaller(keyed, own, version), body, rows),
         )
     try:
         await keyed.attach(found, conn, again=again)
@@ -218,7 +220,7 @@ async def answer_rollouts(host: Host, conn: HttpConnection, head: h11.Request) -
         log_event("keyed_caller_left", key=key, why=str(exc))
 
 
-async def cancel_keyed(host: Host, conn: HttpConnection, head: h11.Request) -> None:
+async def cancel_keyed(services: Services, conn: HttpConnection, head: h11.Request) -> None:
     """``DELETE /rollouts/run`` with the ``Idempotency-Key`` of a batch: its caller gives it up
     for good (a cancelled trainer), so it is cancelled now, not after the grace."""
     key = idempotency_key(head)
@@ -231,41 +233,42 @@ async def cancel_keyed(host: Host, conn: HttpConnection, head: h11.Request) -> N
     await read_body(
         conn,
         head,
-        max_bytes=host.limits.max_head_bytes,
-        idle_timeout_s=host.limits.read_timeout_s,
-        min_rate=host.limits.min_body_rate,
+        max_bytes=services.limits.max_head_bytes,
+        idle_timeout_s=services.limits.read_timeout_s,
+        min_rate=services.limits.min_body_rate,
         advice="send no body",
     )
-    await send_json(conn, 200, {"key": key, "cancelled": host.keyed.cancel(key)})
+    await send_json(conn, 200, {"key": key, "cancelled": services.keyed.cancel(key)})
 
 
-async def run_batch(host: Host, caller: Caller, body: bytes, rows: bool) -> None:
+async def run_batch(services: Services, caller: Caller, body: bytes, rows: bool) -> None:
     """Validate, admit and run one batch, answering ``caller``; refusals before the status
     line are raised as :class:`WireError`."""
     batch = Batch()
     validate = partial(
         validate_batch,
         body,
-        host.runner,
+        services.lifecycle.runner,
         batch.id,
         refuse_whole=not rows,
-        identities=host.tracks_episodes,
+        identities=services.tracks_episodes,
     )
     if len(body) > THREAD_PARSE_BYTES:
         request, checked = await trio.to_thread.run_sync(validate)
     else:
         request, checked = validate()
-    host.check_accepting()  # the body may have taken a while; the host may be stopping now
+    # The body may have taken a while; the host may be stopping now.
+    services.lifecycle.check_accepting()
     admitted = [
         entry
         if isinstance(entry, WireError)
-        else host.episodes.admit_or_refuse(entry, batch.id, index, batch.deadline)
+        else services.episodes.admit_or_refuse(entry, batch.id, index, batch.deadline)
         for index, entry in enumerate(checked)
     ]
     try:
         if not rows:
             refuse_unless_all_admitted(admitted)
-        deadline_s = min(request.deadline_s or math.inf, host.config.rollout_deadline_s)
+        deadline_s = min(request.deadline_s or math.inf, services.config.rollout_deadline_s)
         batch.size = len(request.examples)
         batch.advance(
             BatchState.RUNNING,
@@ -273,23 +276,29 @@ async def run_batch(host: Host, caller: Caller, body: bytes, rows: bool) -> None
             mode="rows" if rows else "document",
             deadline_s=deadline_s,
         )
-        host.stats.batches_running += 1
+        services.stats.batches_running += 1
         try:
             if rows:
                 await answer_with_rows(
-                    host, caller, batch, request.examples, admitted, deadline_s, request.row_offset
+                    services,
+                    caller,
+                    batch,
+                    request.examples,
+                    admitted,
+                    deadline_s,
+                    request.row_offset,
                 )
             else:
                 episodes = [live for live in admitted if isinstance(live, LiveEpisode)]
-                await _answer_with_document(host, caller, batch, request, episodes, deadline_s)
+                await _answer_with_document(services, caller, batch, request, episodes, deadline_s)
         except ConnectionLost as exc:
             batch.advance(BatchState.ABANDONED, reason=str(exc))
         finally:
-            host.stats.batches_running -= 1
+            services.stats.batches_running -= 1
     finally:
         for live in admitted:
             if isinstance(live, LiveEpisode):
-                host.episodes.end(live)  # idempotent: whatever did not end by itself
+                services.episodes.end(live)  # idempotent: whatever did not end by itself
 
 
 def refuse_unless_all_admitted(admitted: Sequence[LiveEpisode | WireError]) -> None:
@@ -302,7 +311,7 @@ def refuse_unless_all_admitted(admitted: Sequence[LiveEpisode | WireError]) -> N
 
 
 async def _answer_with_document(
-    host: Host,
+    services: Services,
     caller: Caller,
     batch: Batch,
     request: RolloutRequest,
@@ -318,7 +327,9 @@ async def _answer_with_document(
     if caller.http_version == b"1.1":
         body = await caller.start(200, content_type=JSON)
     examples = request.examples
-    document = ResultsDocument(len(examples), host.results_info, host.config.max_response_bytes)
+    document = ResultsDocument(
+        len(examples), services.results_info, services.config.max_response_bytes
+    )
     failures: list[ExampleFailed] = []
     deliveries: list[Delivery] = []
 
@@ -334,12 +345,12 @@ async def _answer_with_document(
     async def work() -> None:
         nonlocal failures
         try:
-            await run_examples(host, examples, episodes, finished, failed, request.row_offset)
+            await run_examples(services, examples, episodes, finished, failed, request.row_offset)
         except* ExampleFailed as group:
             failures = leaves(group)
 
     stopped = await supervise(
-        host, caller, body, batch, heartbeat=HEARTBEAT, deadline_s=deadline_s, work=work
+        services, caller, body, batch, heartbeat=HEARTBEAT, deadline_s=deadline_s, work=work
     )
     if failures:
         answer = Answer.failure(batch_error(failures))

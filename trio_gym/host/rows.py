@@ -34,7 +34,7 @@ from .batch import (
     run_examples,
 )
 from .episodes import LiveEpisode
-from .state import Host
+from .state import Services
 from .supervision import Caller, supervise
 
 NDJSON: Final = "application/x-ndjson"
@@ -84,7 +84,7 @@ def sidecar_line(
 
 
 async def answer_with_rows(
-    host: Host,
+    services: Services,
     caller: Caller,
     batch: Batch,
     examples: Sequence[dict[str, Any]],
@@ -100,7 +100,7 @@ async def answer_with_rows(
     """
     body = await caller.start(200, content_type=NDJSON)
     counts = {"completed": 0, "failed": 0}
-    limit = host.config.max_response_bytes
+    limit = services.config.max_response_bytes
     # Rows go through one writer, outside the examples' cancel scope: a row finished before
     # the deadline or a shutdown is still delivered, and counted only once it is written.
     rows_in, rows_out = trio.open_memory_channel[tuple[bytes, bool, Sequence[Delivery]]](math.inf)
@@ -117,7 +117,7 @@ async def answer_with_rows(
         rows_in.send_nowait((sidecar_line(index, error, failure.record, limit), False, ()))
 
     episodes = [entry for entry in admitted if isinstance(entry, LiveEpisode)]
-    work = partial(run_examples, host, examples, episodes, finished, failed, row_offset)
+    work = partial(run_examples, services, examples, episodes, finished, failed, row_offset)
 
     async def write_rows() -> None:
         async for line, ok, deliveries in rows_out:
@@ -128,7 +128,13 @@ async def answer_with_rows(
     async def run_and_close() -> WireError | None:
         with rows_in:
             return await supervise(
-                host, caller, body, batch, heartbeat=ROW_HEARTBEAT, deadline_s=deadline_s, work=work
+                services,
+                caller,
+                body,
+                batch,
+                heartbeat=ROW_HEARTBEAT,
+                deadline_s=deadline_s,
+                work=work,
             )
 
     stopped: WireError | None = None

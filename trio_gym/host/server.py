@@ -15,6 +15,7 @@ from typing import Final
 
 import trio
 
+from trio_gym.config import ServeConfig
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.files import write_whole
 from trio_gym.http import (
@@ -29,14 +30,15 @@ from trio_gym.http import (
 from trio_gym.http.h11_build import h11
 from trio_gym.http.transport import STREAM_BUFFER_BYTES
 from trio_gym.logs import log_event
-from trio_gym.protocol.control import path
+from trio_gym.protocol.control import OPERATIONS, STATUS
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER
 
-from .control import answer_operation, answer_status, control_paths
+from .admission import Admitted
+from .control import answer_operation, answer_status
 from .rollouts import answer_rollouts, cancel_keyed
-from .state import Host
+from .state import Host, Services
 
-Handler = Callable[[Host, HttpConnection, h11.Request], Awaitable[None]]
+Handler = Callable[[Services, HttpConnection, h11.Request], Awaitable[None]]
 
 
 class ListenError(Exception):
@@ -44,12 +46,12 @@ class ListenError(Exception):
     what to change."""
 
 
-async def _answer_health(host: Host, conn: HttpConnection, head: h11.Request) -> None:
-    status, document = host.health()
+async def _answer_health(services: Services, conn: HttpConnection, head: h11.Request) -> None:
+    status, document = services.lifecycle.health()
     await send_json(conn, status, document)
 
 
-async def _answer_options(host: Host, conn: HttpConnection, head: h11.Request) -> None:
+async def _answer_options(services: Services, conn: HttpConnection, head: h11.Request) -> None:
     # RFC 9110 §9.3.7: an OPTIONS answer with no content must say Content-Length: 0. Load
     # balancers probe with "OPTIONS / HTTP/1.0" (HAProxy's default), so this is a real path.
     path = route_path(head.target)
@@ -64,8 +66,8 @@ ROUTES: Final[dict[str, dict[bytes, Handler]]] = {
         b"DELETE": cancel_keyed,
         b"OPTIONS": _answer_options,
     },
-    path("status"): {b"GET": answer_status},
-    **{path: {b"POST": answer_operation} for path in control_paths()[1:]},
+    STATUS.path: {b"GET": answer_status},
+    **{op.path: {b"POST": answer_operation} for op in OPERATIONS.values() if op is not STATUS},
     "*": {b"OPTIONS": _answer_options},  # the server as a whole (RFC 9110 §9.3.7)
 }
 
@@ -102,13 +104,13 @@ def _all_methods() -> str:
     return ", ".join(sorted(method.decode() for method in methods))
 
 
-def _route(host: Host, head: h11.Request, *, busy: bool) -> Handler:
+def _route(config: ServeConfig, head: h11.Request, *, busy: bool) -> Handler:
     """The handler of ``head``'s path and method; raises the refusal when there is none. (It
     returns the handler rather than awaiting it: a frame less kept by every held batch.)"""
-    if host.config.host_identity:  # before busy: a busy stranger is still a stranger
-        _check_identity(host.config.host_identity, head)
+    if config.host_identity:  # before busy: a busy stranger is still a stranger
+        _check_identity(config.host_identity, head)
     if busy:
-        raise _busy(host)
+        raise _busy(config)
     path = route_path(head.target)
     methods = ROUTES.get(path)
     if methods is None:
@@ -143,19 +145,21 @@ def _check_identity(identity: str, head: h11.Request) -> None:
             )
 
 
-def _busy(host: Host) -> WireError:
+def _busy(config: ServeConfig) -> WireError:
     return WireError(
         ErrorCode.HOST_BUSY,
-        f"the host is serving its maximum of {host.config.max_connections} connections; "
+        f"the host is serving its maximum of {config.max_connections} connections; "
         "retry shortly, or raise max_connections (NMP_MAX_CONNECTIONS)",
         headers=[("retry-after", "1")],
     )
 
 
-async def _refuse(host: Host, conn: HttpConnection, error: WireError, *, busy: bool) -> None:
+async def _refuse(
+    config: ServeConfig, conn: HttpConnection, error: WireError, *, busy: bool
+) -> None:
     """Answer a refusal of any kind, in one place. Whatever the head held, an over-cap
     connection hears the same answer — but a caller of another host hears that it is."""
-    refusal = _busy(host) if busy and error.code is not ErrorCode.WRONG_HOST else error
+    refusal = _busy(config) if busy and error.code is not ErrorCode.WRONG_HOST else error
     log_event("refused", status=refusal.status, code=refusal.code.value, reason=refusal.message)
     await send_json(conn, refusal.status, refusal.envelope(), headers=refusal.headers)
 
@@ -178,52 +182,53 @@ async def handle_connection(
     if isinstance(stream, trio.SocketStream):
         await handle_socket(host, stream.socket)
         return
-    admission = host.admit_connection()
-    if admission is None:
-        log_event("connection_dropped", reason=_FULL)
+    admitted = _admit(host)
+    if admitted is None:
         await stream.aclose()
         return
-    busy = admission is host.overflow_slots
-    limits = host.refusal_limits if busy else host.limits
+    limits = admitted.limits
     transport = StreamTransport(
         stream, send_timeout_s=limits.send_timeout_s, buffer_bytes=buffer_bytes
     )
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(transport.send_queued_forever)
-            await _answer(host, HttpConnection(transport, h11.SERVER, limits), busy=busy)
+            await _answer(host.services, HttpConnection(transport, h11.SERVER, limits), admitted)
             nursery.cancel_scope.cancel()
     finally:
-        host.release_connection(admission)
+        host.admission.release(admitted)
 
 
 async def handle_socket(host: Host, sock: trio.socket.SocketType) -> None:
     """:func:`handle_connection` for an accepted socket, as the accept loop hands it over."""
-    admission = host.admit_connection()
-    if admission is None:
-        log_event("connection_dropped", reason=_FULL)
+    admitted = _admit(host)
+    if admitted is None:
         sock.close()
         await trio.lowlevel.checkpoint()
         return
-    busy = admission is host.overflow_slots
-    limits = host.refusal_limits if busy else host.limits
+    conn = HttpConnection(SocketTransport(sock), h11.SERVER, admitted.limits)
     try:
-        await _answer(host, HttpConnection(SocketTransport(sock), h11.SERVER, limits), busy=busy)
+        await _answer(host.services, conn, admitted)
     finally:
-        host.release_connection(admission)
+        host.admission.release(admitted)
 
 
-_FULL: Final = "the connection cap and its overflow are full"
+def _admit(host: Host) -> Admitted | None:
+    admitted = host.admission.admit()
+    if admitted is None:
+        log_event("connection_dropped", reason="the connection cap and its overflow are full")
+    return admitted
 
 
-async def _answer(host: Host, conn: HttpConnection, *, busy: bool) -> None:
+async def _answer(services: Services, conn: HttpConnection, admitted: Admitted) -> None:
     """Read the request, answer it, close. Never raises (but ``Cancelled``)."""
+    config, busy = services.config, admitted.busy
     try:
         try:
             head = await read_request_head(conn)
-            await _route(host, head, busy=busy)(host, conn, head)
+            await _route(config, head, busy=busy)(services, conn, head)
         except WireError as error:
-            await _refuse(host, conn, error, busy=busy)
+            await _refuse(config, conn, error, busy=busy)
         await conn.close()
     except ConnectionLost as exc:
         log_event("caller_gone", reason=str(exc))
@@ -300,7 +305,7 @@ def write_port_file(path: Path, port: int) -> None:
 async def serve(
     host: Host, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    """Bootstrap and serve until :meth:`Host.request_shutdown`, then stop gracefully.
+    """Bootstrap and serve until the lifecycle's ``request_shutdown``, then stop gracefully.
 
     Reports the bound port through ``task_status`` as soon as the socket listens (before the
     runner is loaded: ``/health`` answers ``starting`` meanwhile). On shutdown: stop accepting,
@@ -323,23 +328,24 @@ async def serve(
     port: int = listeners[0].socket.getsockname()[1]
     if config.port_file:
         write_port_file(Path(config.port_file), port)
-    # Services outlive every connection: batches answering during the shutdown grace still beat
-    # and still reach the Gym deployment. They stop once the last connection has closed.
-    async with trio.open_nursery() as services:
-        services.start_soon(host.pacer.run)
-        await services.start(host.keyed.serve)
+    # Background tasks outlive every connection: batches answering during the shutdown grace
+    # still beat and still reach the Gym deployment. They stop once the last connection closed.
+    lifecycle, services = host.lifecycle, host.services
+    async with trio.open_nursery() as background:
+        background.start_soon(services.pacer.run)
+        await background.start(services.keyed.serve)
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as server_tasks:
-                server_tasks.start_soon(host.bootstrap, services)
-                server_tasks.start_soon(host.checkpoints.watch_lease)
+                server_tasks.start_soon(lifecycle.bootstrap, background)
+                server_tasks.start_soon(services.checkpoints.watch_lease)
                 for listener in listeners:
                     server_tasks.start_soon(accept_connections, host, listener, connections)
                 log_event("listening", host=config.host, port=port)
                 task_status.started(port)
-                await host.shutdown_requested.wait()
+                await lifecycle.shutdown_requested.wait()
                 server_tasks.cancel_scope.cancel()
-            log_event("stopped_accepting", open_connections=host.stats.connections_open)
+            log_event("stopped_accepting", open_connections=services.stats.connections_open)
             connections.cancel_scope.deadline = trio.current_time() + config.shutdown_grace_s
-        services.cancel_scope.cancel()
-    await host.close_runner()
+        background.cancel_scope.cancel()
+    await lifecycle.close_runner()
     log_event("stopped")

@@ -30,7 +30,7 @@ from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, send_body
 
 from .batch import Batch
 from .pacer import Pacer
-from .state import Host
+from .state import Services
 
 # The caller watcher starts this long into a batch (and its running line is logged then): most
 # short batches are over by then, and spawning, parking and cancelling a task for each was a
@@ -86,7 +86,7 @@ class ConnectionCaller:
 
 
 async def supervise(
-    host: Host,
+    services: Services,
     caller: Caller,
     body: Body | None,
     batch: Batch,
@@ -112,7 +112,7 @@ async def supervise(
         with batch.deadline.scope as batch_scope:
             batch_scope.deadline = trio.current_time() + deadline_s
             async with trio.open_nursery() as nursery:
-                pacer = host.pacer
+                pacer = services.pacer
                 if not pacer.running:
                     # A host driven without serve (embedded, or a test): the batch owns a pacer
                     # of its own, so heartbeats and the watcher's start take one road either way.
@@ -122,13 +122,13 @@ async def supervise(
                 timers = [pacer.call_after(WATCH_AFTER_S, lasting)]
                 if body is not None:
                     beat = _Heartbeat(body, heartbeat, batch_scope)
-                    timers.append(pacer.start_every(host.config.heartbeat_interval_s, beat))
-                host.cancel_on_shutdown(batch_scope)
+                    timers.append(pacer.start_every(services.config.heartbeat_interval_s, beat))
+                services.lifecycle.cancel_on_shutdown(batch_scope)
                 try:
                     await work()
                     completed = True
                 finally:
-                    host.forget_on_shutdown(batch_scope)
+                    services.lifecycle.forget_on_shutdown(batch_scope)
                     for timer in timers:
                         timer.stop()
                 batch_scope.cancel()  # the watcher, and the batch's own pacer if it has one
@@ -140,7 +140,7 @@ async def supervise(
         raise caller_lost
     if completed:
         return None
-    if host.shutdown_requested.is_set():
+    if services.lifecycle.shutdown_requested.is_set():
         return WireError(
             ErrorCode.SHUTTING_DOWN,
             "the host is shutting down; every unfinished example of this batch was cancelled",

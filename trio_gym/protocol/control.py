@@ -11,8 +11,9 @@ trainer.
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Generic, Literal, TypeVar
 
+import attrs
 from pydantic import BaseModel, ConfigDict, Field
 
 from .export import ManifestParticipant
@@ -77,16 +78,10 @@ class Forget(Call):
     rollout_ids: list[str] | None = None
 
 
-REQUESTS: Final[dict[str, type[Call]]] = {
-    "prepare": Prepare,
-    "renew": Renew,
-    "commit": Commit,
-    "resume": Resume,
-    "restore": Restore,
-    "retire": Retire,
-    "forget": Forget,
-}
-"""Every ``POST`` operation and its request (``status`` is a ``GET`` with none)."""
+class Status(BaseModel):
+    """``status`` asks nothing: a ``GET`` with no body."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class CheckpointPhase(enum.StrEnum):
@@ -205,3 +200,40 @@ class RetireReply(Reply):
 class ForgetReply(Reply):
     checkpoint_id: str
     forgotten: int
+
+
+Q = TypeVar("Q", bound=BaseModel)
+R = TypeVar("R", bound=Reply)
+
+
+@attrs.frozen
+class Operation(Generic[Q, R]):
+    """One control operation: its name, the request it takes and the reply it gives."""
+
+    name: str
+    request: type[Q]
+    reply: type[R]
+
+    @property
+    def path(self) -> str:
+        return path(self.name)
+
+    @property
+    def method(self) -> str:
+        return "GET" if self.request is Status else "POST"
+
+
+STATUS: Final = Operation("status", Status, StatusReply)
+PREPARE: Final = Operation("prepare", Prepare, PrepareReply)
+RENEW: Final = Operation("renew", Renew, RenewReply)
+COMMIT: Final = Operation("commit", Commit, CommitReply)
+RESUME: Final = Operation("resume", Resume, ResumeReply)
+RESTORE: Final = Operation("restore", Restore, RestoreReply)
+RETIRE: Final = Operation("retire", Retire, RetireReply)
+FORGET: Final = Operation("forget", Forget, ForgetReply)
+
+OPERATIONS: Final[dict[str, Operation[Any, Any]]] = {
+    operation.name: operation
+    for operation in (STATUS, PREPARE, RENEW, COMMIT, RESUME, RESTORE, RETIRE, FORGET)
+}
+"""Every operation of the control plane, by name: the one table both sides work from."""

@@ -4,9 +4,9 @@ errors, their settings, and control calls made to every host at once."""
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import attrs
 import trio
@@ -19,7 +19,6 @@ from trio_gym.trainer.control import (
     ControlTimeout,
     HostControl,
     ReplyMismatch,
-    reply_as,
 )
 from trio_gym.trainer.dispatch import Dispatcher
 
@@ -73,13 +72,11 @@ class CheckpointSettings:
             raise ValueError("max_consecutive_failures must be at least 1")
 
 
-def fitting(
-    model: type[R], reply: Mapping[str, Any], operation: str, host: str, checkpoint_id: str
-) -> R:
-    """:func:`~trio_gym.trainer.control.reply_as`, where a reply that does not fit aborts: the
+async def fitting(call: Awaitable[R], checkpoint_id: str) -> R:
+    """A control call's reply, where a reply that does not fit aborts the checkpoint: the
     host would answer the same way again, so retrying would only hide it."""
     try:
-        return reply_as(model, reply, operation, host)
+        return await call
     except ReplyMismatch as exc:
         raise CheckpointAborted(exc.message, checkpoint_id) from exc
 

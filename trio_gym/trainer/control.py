@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
 import trio
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from trio_gym.errors import describe_validation_error, quote_body
 from trio_gym.http import (
@@ -26,10 +26,32 @@ from trio_gym.http import (
     exchange,
     open_tcp,
 )
-from trio_gym.protocol.control import REQUESTS, Reply, RetireRollout, path
+from trio_gym.protocol.control import (
+    COMMIT,
+    FORGET,
+    PREPARE,
+    RENEW,
+    RESTORE,
+    RESUME,
+    RETIRE,
+    STATUS,
+    CommitReply,
+    ForgetReply,
+    Operation,
+    PrepareReply,
+    RenewReply,
+    Reply,
+    RestoreReply,
+    ResumeReply,
+    RetireReply,
+    RetireRollout,
+    Status,
+    StatusReply,
+)
 
 REPLY_GRACE_S: Final = 5.0
 
+Q = TypeVar("Q", bound=BaseModel)
 R = TypeVar("R", bound=Reply)
 
 
@@ -65,33 +87,20 @@ def _rebuild(kind: type[ControlError], message: str, code: str, status: int) -> 
     return kind(message, code=code, status=status)
 
 
-def reply_as(model: type[R], document: Mapping[str, Any], operation: str, host: str) -> R:
-    """``host``'s reply to ``operation`` read as the protocol's ``model`` of it.
-
-    :class:`HostControl` hands back the JSON the host sent; a caller that acts on a reply reads
-    it through here, so a reply that does not fit is one :class:`ReplyMismatch` naming the host,
-    the operation and every field that does not fit, never a ``KeyError`` or a default."""
-    try:
-        return model.model_validate(document)
-    except ValidationError as exc:
-        raise ReplyMismatch(
-            f"{host}'s {operation} reply does not fit the contract: "
-            f"{describe_validation_error(exc)}",
-            code="bad_reply",
-            status=200,
-        ) from exc
-
-
 class HostControl:
-    """The control plane of one host: ``await control.prepare("ckpt-7", timeout_s=30)``.
-    ``headers`` go with every call (a platform's proxy's, the host's identity: a launched
-    host's ``HostHandle.request_headers()``)."""
+    """The control plane of one host: ``await control.prepare("ckpt-7", timeout_s=30)``, or
+    any operation of the protocol's table as ``await control.call(PREPARE, request, ...)``.
+    Every reply comes back as the protocol's model of it; one that does not fit is a
+    :class:`ReplyMismatch` naming ``name`` (the host's URL unless given), the operation and
+    every field that does not fit. ``headers`` go with every call (a platform's proxy's, the
+    host's identity: a launched host's ``HostHandle.request_headers()``)."""
 
     def __init__(
         self,
         url: str,
         token: str,
         *,
+        name: str = "",
         headers: Sequence[tuple[str, str]] = (),
         limits: HttpLimits | None = None,
         opener: StreamOpener = open_tcp,
@@ -99,6 +108,7 @@ class HostControl:
         reply_grace_s: float = REPLY_GRACE_S,
     ) -> None:
         self.endpoint = Endpoint.parse(url)
+        self.name = name or url
         self._headers = tuple(headers)
         self._token = token
         self._limits = limits or HttpLimits()
@@ -106,18 +116,18 @@ class HostControl:
         self._wall_time = wall_time
         self._grace = reply_grace_s
 
-    async def status(self, *, timeout_s: float = 30.0) -> dict[str, Any]:
-        return await self._call("GET", "status", None, timeout_s)
+    async def status(self, *, timeout_s: float = 30.0) -> StatusReply:
+        return await self.call(STATUS, Status(), timeout_s=timeout_s)
 
     async def prepare(
         self, checkpoint_id: str, *, timeout_s: float, lease_s: float = 60.0
-    ) -> dict[str, Any]:
-        return await self._op("prepare", checkpoint_id, timeout_s, lease_s=lease_s)
+    ) -> PrepareReply:
+        return await self._op(PREPARE, checkpoint_id, timeout_s, lease_s=lease_s)
 
     async def renew(
         self, checkpoint_id: str, *, timeout_s: float, lease_s: float = 60.0
-    ) -> dict[str, Any]:
-        return await self._op("renew", checkpoint_id, timeout_s, lease_s=lease_s)
+    ) -> RenewReply:
+        return await self._op(RENEW, checkpoint_id, timeout_s, lease_s=lease_s)
 
     async def commit(
         self,
@@ -126,14 +136,14 @@ class HostControl:
         *,
         timeout_s: float,
         capture_keys: Sequence[str] | None = None,
-    ) -> dict[str, Any]:
+    ) -> CommitReply:
         keys = list(capture_keys) if capture_keys is not None else None
         return await self._op(
-            "commit", checkpoint_id, timeout_s, directory=directory, capture_keys=keys
+            COMMIT, checkpoint_id, timeout_s, directory=directory, capture_keys=keys
         )
 
-    async def resume(self, checkpoint_id: str, *, timeout_s: float) -> dict[str, Any]:
-        return await self._op("resume", checkpoint_id, timeout_s)
+    async def resume(self, checkpoint_id: str, *, timeout_s: float) -> ResumeReply:
+        return await self._op(RESUME, checkpoint_id, timeout_s)
 
     async def restore(
         self,
@@ -143,10 +153,10 @@ class HostControl:
         timeout_s: float,
         capture_keys: Sequence[str] | None = None,
         lease_s: float = 60.0,
-    ) -> dict[str, Any]:
+    ) -> RestoreReply:
         keys = list(capture_keys) if capture_keys is not None else None
         return await self._op(
-            "restore",
+            RESTORE,
             checkpoint_id,
             timeout_s,
             directory=directory,
@@ -156,36 +166,49 @@ class HostControl:
 
     async def retire(
         self, checkpoint_id: str, rollouts: Sequence[tuple[str, int]], *, timeout_s: float
-    ) -> dict[str, Any]:
+    ) -> RetireReply:
         listed = [RetireRollout.model_construct(rollout_id=r, attempt=a) for r, a in rollouts]
-        return await self._op("retire", checkpoint_id, timeout_s, rollouts=listed)
+        return await self._op(RETIRE, checkpoint_id, timeout_s, rollouts=listed)
 
     async def forget(
         self, checkpoint_id: str, rollout_ids: Sequence[str] | None = None, *, timeout_s: float
-    ) -> dict[str, Any]:
+    ) -> ForgetReply:
         ids = list(rollout_ids) if rollout_ids is not None else None
-        return await self._op("forget", checkpoint_id, timeout_s, rollout_ids=ids)
+        return await self._op(FORGET, checkpoint_id, timeout_s, rollout_ids=ids)
 
     async def _op(
-        self, name: str, checkpoint_id: str, timeout_s: float, **fields: Any
-    ) -> dict[str, Any]:
+        self, operation: Operation[Q, R], checkpoint_id: str, timeout_s: float, **fields: Any
+    ) -> R:
         # Built from the protocol's request model, unvalidated: what the host makes of the
         # values (a lease too long, say) is its answer to give, as a refusal.
-        request = REQUESTS[name].model_construct(
+        request = operation.request.model_construct(
             checkpoint_id=checkpoint_id, deadline=self._wall_time() + timeout_s, **fields
         )
-        return await self._call("POST", name, request.model_dump(), timeout_s)
+        return await self.call(operation, request, timeout_s=timeout_s)
 
-    async def _call(
-        self, method: str, name: str, body: dict[str, Any] | None, timeout_s: float
-    ) -> dict[str, Any]:
-        payload = encode_json(body) if body is not None else b""
+    async def call(self, operation: Operation[Q, R], request: Q, *, timeout_s: float) -> R:
+        """Send ``request`` as ``operation`` and read the reply as its model, within
+        ``timeout_s`` and the reply grace (a POST's request carries its own deadline too)."""
+        document = await self._exchange(operation, request, timeout_s)
+        try:
+            return operation.reply.model_validate(document)
+        except ValidationError as exc:
+            raise ReplyMismatch(
+                f"{self.name}'s {operation.name} reply does not fit the contract: "
+                f"{describe_validation_error(exc)}",
+                code="bad_reply",
+                status=200,
+            ) from exc
+
+    async def _exchange(self, operation: Operation[Q, R], request: Q, timeout_s: float) -> Any:
+        name = operation.name
+        payload = encode_json(request.model_dump()) if operation.method == "POST" else b""
         with trio.move_on_after(timeout_s + self._grace):
             try:
                 response = await exchange(
                     self.endpoint,
-                    method,
-                    path(name),
+                    operation.method,
+                    operation.path,
                     payload,
                     limits=self._limits,
                     max_response_bytes=64 * 1024 * 1024,
@@ -215,7 +238,7 @@ class HostControl:
                     code=str(error.get("code", "unknown")),
                     status=response.status,
                 )
-            return document  # type: ignore[no-any-return]
+            return document
         raise ControlTimeout(
             f"{name}: no reply from {self.endpoint.authority} within {timeout_s:g} s + "
             f"{self._grace:g} s grace; the call was cancelled",

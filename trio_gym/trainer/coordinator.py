@@ -38,9 +38,6 @@ from trio_gym.logs import log_event
 from trio_gym.protocol.control import (
     HOST_PARTICIPANT,
     CheckpointPhase,
-    CommitReply,
-    PrepareReply,
-    StatusReply,
 )
 from trio_gym.trainer.checkpointing import (
     CheckpointAborted,
@@ -202,11 +199,17 @@ class CheckpointCoordinator:
     async def _prepare(self, host: str, checkpoint_id: str) -> set[tuple[str, str]]:
         """Prepare ``host``; its participants (from its status, read first)."""
         control = self._hosts.control(host)
-        status = await control.status(timeout_s=self.settings.control_timeout_s)
-        reply = await control.prepare(
-            checkpoint_id, timeout_s=self.settings.prepare_timeout_s, lease_s=self.settings.lease_s
+        status = await fitting(
+            control.status(timeout_s=self.settings.control_timeout_s), checkpoint_id
         )
-        prepared = fitting(PrepareReply, reply, "prepare", host, checkpoint_id)
+        prepared = await fitting(
+            control.prepare(
+                checkpoint_id,
+                timeout_s=self.settings.prepare_timeout_s,
+                lease_s=self.settings.lease_s,
+            ),
+            checkpoint_id,
+        )
         if prepared.phase is not CheckpointPhase.PREPARED:
             blockers = prepared.blockers
             raise CheckpointUnavailable(
@@ -214,8 +217,7 @@ class CheckpointCoordinator:
                 f"s: {blockers.count} still in a step, e.g. {blockers.sample}",
                 checkpoint_id,
             )
-        listed = fitting(StatusReply, status, "status", host, checkpoint_id).participants
-        named = {(p.server_name, p.kind) for p in listed}
+        named = {(p.server_name, p.kind) for p in status.participants}
         if not named:
             raise CheckpointAborted(
                 f"{host} lists no participants in its status (a host older than this trainer?)",
@@ -248,10 +250,12 @@ class CheckpointCoordinator:
         self, host: str, checkpoint_id: str, directory: Path, participants: set[tuple[str, str]]
     ) -> HostExport:
         export_directory = directory / "hosts" / host
-        reply = await self._hosts.control(host).commit(
-            checkpoint_id, str(export_directory), timeout_s=self.settings.control_timeout_s
+        parsed = await fitting(
+            self._hosts.control(host).commit(
+                checkpoint_id, str(export_directory), timeout_s=self.settings.control_timeout_s
+            ),
+            checkpoint_id,
         )
-        parsed = fitting(CommitReply, reply, "commit", host, checkpoint_id)
         keys = set(parsed.capture_keys)
         named = {(p.server_name, p.kind) for p in parsed.participants}
         if named != participants:

@@ -54,9 +54,8 @@ import trio
 
 from trio_gym.errors import raise_unwrapped
 from trio_gym.logs import log_event
-from trio_gym.protocol.control import RetireReply
 from trio_gym.protocol.identity import ATTEMPT_KEY, ROLLOUT_ID_KEY
-from trio_gym.trainer.control import ControlError, reply_as
+from trio_gym.trainer.control import ControlError
 from trio_gym.trainer.deadlines import DeadlineRegistry
 from trio_gym.trainer.errors import Reach, RolloutError
 from trio_gym.trainer.gate import DispatchGate
@@ -509,7 +508,7 @@ class Dispatcher:
         reply = await control.retire(
             f"retire-{uuid.uuid4().hex[:16]}", queued, timeout_s=self.settings.control_timeout_s
         )
-        still = reply_as(RetireReply, reply, "retire", host).still_stopping.count
+        still = reply.still_stopping.count
         if still != 0:  # marked, but some copies had not ended by the deadline: not done yet
             log_event("retire_unfinished", host=host, still_stopping=still)
             return

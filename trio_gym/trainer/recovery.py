@@ -24,9 +24,8 @@ from pathlib import Path
 import attrs
 
 from trio_gym.logs import log_event
-from trio_gym.protocol.control import RestoreReply
 from trio_gym.protocol.identity import capture_key
-from trio_gym.trainer.control import ControlError, reply_as
+from trio_gym.trainer.control import ControlError
 from trio_gym.trainer.ledger import AttemptState, Ledger
 from trio_gym.trainer.manifest import CheckpointManifest, HostExport
 from trio_gym.trainer.scheduler import RemoteHost
@@ -117,7 +116,7 @@ async def _restore(
         reply = await control.restore(
             restore_id, str(directory), capture_keys=keys, timeout_s=timeout_s, lease_s=lease_s
         )
-        answered = reply_as(RestoreReply, reply, "restore", heir.name).restored
+        answered = reply.restored
         got = {entry.capture_key for entry in answered}
         if got == expected:
             await control.resume(restore_id, timeout_s=timeout_s)

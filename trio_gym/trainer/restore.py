@@ -19,7 +19,7 @@ import attrs
 
 from trio_gym.errors import WireError
 from trio_gym.logs import log_event
-from trio_gym.protocol.control import CheckpointPhase, RestoreReply, StatusReply
+from trio_gym.protocol.control import CheckpointPhase, StatusReply
 from trio_gym.protocol.export import read_export
 from trio_gym.protocol.identity import capture_key
 from trio_gym.trainer.checkpointing import (
@@ -200,8 +200,7 @@ class Restorer:
         timeout = self.settings.control_timeout_s
 
         async def status(host: str) -> StatusReply:
-            reply = await self.hosts.control(host).status(timeout_s=timeout)
-            return fitting(StatusReply, reply, "status", host, checkpoint_id="")
+            return await fitting(self.hosts.control(host).status(timeout_s=timeout), "")
 
         return await self.hosts.call(status)
 
@@ -263,15 +262,18 @@ class Restorer:
     ) -> None:
         if export is None:
             return
-        reply = await self.hosts.control(host).restore(
+        reply = await fitting(
+            self.hosts.control(host).restore(
+                restore_id,
+                str(directory / export.directory),
+                capture_keys=export.episodes,
+                timeout_s=self.settings.control_timeout_s,
+                lease_s=self.settings.lease_s,
+            ),
             restore_id,
-            str(directory / export.directory),
-            capture_keys=export.episodes,
-            timeout_s=self.settings.control_timeout_s,
-            lease_s=self.settings.lease_s,
         )
         expected = {capture_key(rid, attempt) for rid, attempt in next_attempts}
-        restored = fitting(RestoreReply, reply, "restore", host, restore_id).restored
+        restored = reply.restored
         got = {entry.capture_key for entry in restored}
         if got != expected:
             raise CheckpointAborted(

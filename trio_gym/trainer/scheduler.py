@@ -80,7 +80,11 @@ class RemoteHost:
             identity=handle.identity, opener=opener,
         )  # fmt: skip
         control = HostControl(
-            handle.url, handle.control_token, headers=handle.request_headers(), opener=opener
+            handle.url,
+            handle.control_token,
+            name=handle.name,
+            headers=handle.request_headers(),
+            opener=opener,
         )
         return cls(handle, client, control)
 

@@ -1,0 +1,62 @@
+"""Which connections a host serves in full, which it only refuses, and which it drops."""
+
+from __future__ import annotations
+
+from typing import Final
+
+import attrs
+import trio
+
+from trio_gym.config import ServeConfig
+from trio_gym.http import HttpLimits
+
+from .stats import HostStats
+
+# How long an over-cap connection may take to send its head, and how long its close drains.
+REFUSAL_TIMEOUT_S: Final = 2.0
+
+
+@attrs.frozen(eq=False)
+class Admitted:
+    """A connection let in: served in full, or (``busy``) only told that the host is full, on
+    the short timeouts of ``limits``."""
+
+    busy: bool
+    limits: HttpLimits
+    slots: trio.CapacityLimiter
+
+
+class Admission:
+    """Up to ``max_connections`` connections are served in full; beyond that, a bounded
+    overflow (a quarter of the cap, at least 8) hears a clear 503 on short timeouts; beyond
+    the overflow too, a connection is dropped at once, so a flood costs neither memory nor
+    time."""
+
+    def __init__(self, config: ServeConfig, limits: HttpLimits, stats: HostStats) -> None:
+        self._stats = stats
+        self.served = Admitted(False, limits, trio.CapacityLimiter(config.max_connections))
+        refusal_limits = attrs.evolve(
+            limits,
+            read_timeout_s=min(limits.read_timeout_s, REFUSAL_TIMEOUT_S),
+            drain_timeout_s=REFUSAL_TIMEOUT_S,
+        )
+        overflow = trio.CapacityLimiter(max(8, config.max_connections // 4))
+        self.refused = Admitted(True, refusal_limits, overflow)
+
+    def admit(self) -> Admitted | None:
+        """Take a slot for a new connection, served or refused; ``None``: drop it."""
+        for admitted in (self.served, self.refused):
+            try:
+                admitted.slots.acquire_nowait()
+            except trio.WouldBlock:
+                continue
+            if not admitted.busy:
+                self._stats.connections_open += 1
+            return admitted
+        return None
+
+    def release(self, admitted: Admitted) -> None:
+        """Give back what :meth:`admit` took; synchronous, so cancellation cannot lose it."""
+        if not admitted.busy:
+            self._stats.connections_open -= 1
+        admitted.slots.release()
