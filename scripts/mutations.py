@@ -578,7 +578,7 @@ MUTATIONS = [
     ),
     Mutation(
         "an existing manifest accepted whatever it holds",
-        "trio_gym/protocol/export.py",
+        "trio_gym/host/export.py",
         "        if path.read_bytes() == data:",
         "        if True:",
         (
@@ -1083,10 +1083,10 @@ MUTATIONS = [
         ("tests/test_coordinator.py::test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint",),
     ),
     Mutation(
-        "a control reply read without checking that it fits the contract",
+        "a control reply read without checking that it fits the contract (the typed call, #25)",
         "trio_gym/trainer/control.py",
-        "        return model.model_validate(document)",
-        "        return model.model_construct(**document)",
+        "            return operation.reply.model_validate(document)",
+        "            return operation.reply.model_construct(**document)",
         (
             "tests/test_control_replies.py::test_a_prepare_reply_that_does_not_fit_aborts_the_checkpoint",
             "tests/test_control_replies.py::test_a_status_reply_that_does_not_fit_aborts_a_take_over",
@@ -1246,7 +1246,7 @@ MUTATIONS = [
     Mutation(
         "a stale_attempt row sealed as the episode's result",
         "trio_gym/trainer/dispatch.py",
-        "            if code == STALE_ATTEMPT:",
+        "            if code == ErrorCode.STALE_ATTEMPT:",
         "            if False:",
         ("tests/test_dispatch.py::test_an_identity_a_host_still_runs_is_a_loss_not_a_result",),
     ),

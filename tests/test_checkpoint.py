@@ -21,7 +21,8 @@ from tests.helpers import (
 )
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
-from trio_gym.protocol.export import MANIFEST, read_export, write_records
+from trio_gym.host.export import write_records
+from trio_gym.protocol.export import MANIFEST, read_export
 from trio_gym.runners import ExampleContext, ExampleRunner
 from trio_gym.trainer import RolloutClient, RolloutError
 from trio_gym.trainer.control import ControlError, HostControl

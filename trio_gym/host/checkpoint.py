@@ -40,15 +40,11 @@ from trio_gym.protocol.control import (
     Sample,
     StatusReply,
 )
-from trio_gym.protocol.export import (
-    FORMAT,
-    ParticipantExport,
-    publish_manifest,
-    write_records,
-)
+from trio_gym.protocol.export import FORMAT, ParticipantExport
 from trio_gym.runners.base import StateParticipant
 
 from .episodes import Episodes, LiveEpisode
+from .export import publish_manifest, write_records
 from .restore import host_record, plan_restore
 
 SAMPLE: Final = 16  # blockers and restarts listed by name in a reply; the count is always whole

@@ -14,12 +14,11 @@ import json
 import math
 from collections.abc import Sequence
 from functools import partial
-from typing import Annotated, Any, Final
+from typing import Any, Final
 
 import attrs
 import pydantic
 import trio
-from pydantic import BaseModel, ConfigDict, Field
 
 from trio_gym.errors import ErrorCode, WireError, describe_validation_error, leaves
 from trio_gym.http import (
@@ -32,7 +31,12 @@ from trio_gym.http import (
 from trio_gym.http.h11_build import h11
 from trio_gym.logs import log_event
 from trio_gym.protocol.identity import EpisodeId
-from trio_gym.protocol.rollouts import IDEMPOTENCY_KEY_HEADER, FailureMode
+from trio_gym.protocol.rollouts import (
+    IDEMPOTENCY_KEY_HEADER,
+    JSON_MEDIA,
+    NDJSON_MEDIA,
+    RolloutRequest,
+)
 from trio_gym.runners import Runner
 from trio_gym.runners.base import Delivery
 
@@ -48,11 +52,10 @@ from .batch import (
 )
 from .episodes import LiveEpisode
 from .reattach import KeyedCaller, idempotency_key, request_digest
-from .rows import NDJSON, answer_with_rows
+from .rows import answer_with_rows
 from .state import Services
 from .supervision import Caller, ConnectionCaller, supervise
 
-JSON: Final = "application/json"
 # A document's heartbeat: JSON whitespace, so heartbeats plus the document parse as one value.
 HEARTBEAT: Final = b" "
 
@@ -64,19 +67,6 @@ THREAD_PARSE_BYTES: Final = 1024 * 1024
 TOO_LARGE_ADVICE: Final = (
     "send fewer examples per request, or raise max_request_bytes (NMP_MAX_REQUEST_BYTES)"
 )
-
-
-class RolloutRequest(BaseModel):
-    """The request body: ``{"examples": [{...}, ...], "deadline_s": <optional seconds>}``, and
-    optionally ``"failures": "batch" | "records"`` and ``"row_offset": N``
-    (:mod:`trio_gym.protocol.rollouts`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-    examples: list[dict[str, Any]]
-    deadline_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
-    failures: FailureMode = "batch"
-    row_offset: Annotated[int, Field(ge=0)] = 0
 
 
 def _refuse_constant(name: str) -> Any:
@@ -172,7 +162,7 @@ def wants_rows(head: h11.Request) -> bool:
     """True if the caller asked for the per-row NDJSON stream (``Accept: application/x-ndjson``)."""
     accept = b",".join(value for name, value in head.headers if name == b"accept")
     return any(
-        part.split(b";")[0].strip().lower() == NDJSON.encode() for part in accept.split(b",")
+        part.split(b";")[0].strip().lower() == NDJSON_MEDIA.encode() for part in accept.split(b",")
     )
 
 
@@ -188,8 +178,8 @@ async def answer_rollouts(services: Services, conn: HttpConnection, head: h11.Re
     if rows and conn.their_http_version != b"1.1":
         raise WireError(
             ErrorCode.NOT_ACCEPTABLE,
-            f"{NDJSON} is a stream and needs HTTP/1.1 chunked framing; send HTTP/1.1, or ask for "
-            "application/json",
+            f"{NDJSON_MEDIA} is a stream and needs HTTP/1.1 chunked framing; send HTTP/1.1, "
+            f"or ask for {JSON_MEDIA}",
         )
     key = idempotency_key(head)
     body = await read_body(
@@ -325,7 +315,7 @@ async def _answer_with_document(
     examples registered for after their delivery runs once the whole document is written."""
     body = None
     if caller.http_version == b"1.1":
-        body = await caller.start(200, content_type=JSON)
+        body = await caller.start(200, content_type=JSON_MEDIA)
     examples = request.examples
     document = ResultsDocument(
         len(examples), services.results_info, services.config.max_response_bytes
@@ -366,7 +356,7 @@ async def _answer_with_document(
     else:
         batch.advance(BatchState.FAILING, code=answer.error.value)
     if body is None:
-        await caller.send_whole(answer.status, b"".join(answer.pieces), content_type=JSON)
+        await caller.send_whole(answer.status, b"".join(answer.pieces), content_type=JSON_MEDIA)
     else:
         runs = coalesce(answer.pieces)  # one run at a time: a large document is not copied
         held_back = next(runs)

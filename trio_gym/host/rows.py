@@ -22,7 +22,7 @@ import trio
 
 from trio_gym.errors import ErrorCode, WireError, leaves
 from trio_gym.http import ConnectionLost, encode_json
-from trio_gym.protocol.rollouts import SIDECAR_RECORD_FIELD
+from trio_gym.protocol.rollouts import NDJSON_MEDIA, SIDECAR_RECORD_FIELD
 from trio_gym.runners.base import Delivery
 
 from .batch import (
@@ -37,7 +37,6 @@ from .episodes import LiveEpisode
 from .state import Services
 from .supervision import Caller, supervise
 
-NDJSON: Final = "application/x-ndjson"
 # A stream's heartbeat: an empty line, which every NDJSON reader skips.
 ROW_HEARTBEAT: Final = b"\n"
 
@@ -98,7 +97,7 @@ async def answer_with_rows(
 
     Raises :class:`~trio_gym.http.ConnectionLost` if the caller left or stopped reading.
     """
-    body = await caller.start(200, content_type=NDJSON)
+    body = await caller.start(200, content_type=NDJSON_MEDIA)
     counts = {"completed": 0, "failed": 0}
     limit = services.config.max_response_bytes
     # Rows go through one writer, outside the examples' cancel scope: a row finished before

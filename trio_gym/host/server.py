@@ -32,6 +32,7 @@ from trio_gym.http.transport import STREAM_BUFFER_BYTES
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import OPERATIONS, STATUS
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER
+from trio_gym.protocol.rollouts import HEALTH_PATH, RUN_PATH
 
 from .admission import Admitted
 from .control import answer_operation, answer_status
@@ -60,8 +61,8 @@ async def _answer_options(services: Services, conn: HttpConnection, head: h11.Re
 
 
 ROUTES: Final[dict[str, dict[bytes, Handler]]] = {
-    "/health": {b"GET": _answer_health, b"OPTIONS": _answer_options},
-    "/rollouts/run": {
+    HEALTH_PATH: {b"GET": _answer_health, b"OPTIONS": _answer_options},
+    RUN_PATH: {
         b"POST": answer_rollouts,
         b"DELETE": cancel_keyed,
         b"OPTIONS": _answer_options,

@@ -1,6 +1,8 @@
-"""What ``POST /rollouts/run`` carries beyond its examples and deadline, and how a
+"""The rollouts half of the wire: its paths and media types, what ``POST /rollouts/run``
+carries (:class:`RolloutRequest`, which the host validates and the trainer builds), and how a
 failed example comes back: as a *failure record*, the shape NeMo Gym's collection writes to its
-``<stem>_failures.jsonl``.
+``<stem>_failures.jsonl``. Error codes are :class:`trio_gym.errors.ErrorCode`, one enum both
+sides read.
 
 - ``"failures": "records"`` in the request: a failed example's failure record takes its place in
   the document's ``results`` (``"batch"``, the default, keeps the upstream host's behaviour: one
@@ -22,13 +24,40 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Mapping
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trio_gym.errors import ErrorCode
 
 from .identity import IDENTITY_KEYS, ROLLOUT_KEY, TASK_KEY, numbered
 
-FAILURES_FIELD: Final = "failures"
+RUN_PATH: Final = "/rollouts/run"
+HEALTH_PATH: Final = "/health"
+JSON_MEDIA: Final = "application/json"
+NDJSON_MEDIA: Final = "application/x-ndjson"
+"""What ``Accept`` asks for to have the answer row by row, one JSON line per finished example."""
+
 FailureMode = Literal["batch", "records"]
-ROW_OFFSET_FIELD: Final = "row_offset"
+
+
+class RolloutRequest(BaseModel):
+    """The body of ``POST /rollouts/run``: ``{"examples": [...]}``, and optionally
+    ``"deadline_s"``, ``"failures"`` and ``"row_offset"`` (this module's docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    examples: list[dict[str, Any]]
+    deadline_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    failures: FailureMode = "batch"
+    row_offset: Annotated[int, Field(ge=0)] = 0
+
+    def wire_fields(self) -> dict[str, Any]:
+        """The fields it was built with, as they are: what a sender encodes (the examples are
+        not copied, and a field left at its default is not sent)."""
+        return {name: getattr(self, name) for name in self.model_fields_set}
+
+
 IDEMPOTENCY_KEY_HEADER: Final = "idempotency-key"
 """A ``POST /rollouts/run`` under a key may be attached to again (:mod:`trio_gym.host.reattach`)."""
 
@@ -47,7 +76,7 @@ FAILURE_STATUS_KEY: Final = "_ng_failure_http_status"
 FAILURE_BODY_KEY: Final = "_ng_failure_response_body"
 
 RUNNER_ERROR: Final = "runner_error"
-STALE_ATTEMPT: Final = "stale_attempt"
+STALE_ATTEMPT: Final = ErrorCode.STALE_ATTEMPT.value  # the class is the refusal's code
 REQUEST_FAILED: Final = "host_request_failed"
 
 

@@ -52,7 +52,7 @@ from typing import Any, Final
 import attrs
 import trio
 
-from trio_gym.errors import raise_unwrapped
+from trio_gym.errors import ErrorCode, raise_unwrapped
 from trio_gym.logs import log_event
 from trio_gym.protocol.identity import ATTEMPT_KEY, ROLLOUT_ID_KEY
 from trio_gym.trainer.control import ControlError
@@ -72,8 +72,6 @@ from trio_gym.trainer.scheduler import (
 )
 from trio_gym.trainer.stream import Row, RowError, RowStream
 
-ADMISSION_CLOSED: Final = "admission_closed"
-STALE_ATTEMPT: Final = "stale_attempt"
 DROP_GRACE_S: Final = 5.0
 """How long a cancelled group may wait for the ledger to record that it was dropped."""
 
@@ -415,12 +413,12 @@ class Dispatcher:
                 log_event("row_of_a_moved_attempt", key=key)
                 return False
             code = row.error.code if row.error is not None else None
-            if code == ADMISSION_CLOSED:
+            if code == ErrorCode.ADMISSION_CLOSED:
                 ledger.move(key, AttemptState.RESERVED)  # same identity, nothing spent
                 self.admission_closed_rows_total += 1
                 budget.refused(key, self.settings.max_admission_refusals)
                 return False
-            if code == STALE_ATTEMPT:
+            if code == ErrorCode.STALE_ATTEMPT:
                 self.queue_retire(ledger.move(key, AttemptState.ABANDONED))
                 log_event("attempt_stale", key=key, message=row.error.message if row.error else "")
                 return True

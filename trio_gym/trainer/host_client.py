@@ -74,10 +74,11 @@ from trio_gym.http import (
 from trio_gym.http.h11_build import h11
 from trio_gym.logs import log_event
 from trio_gym.protocol.rollouts import (
-    FAILURES_FIELD,
     IDEMPOTENCY_KEY_HEADER,
-    ROW_OFFSET_FIELD,
+    JSON_MEDIA,
+    RUN_PATH,
     FailureMode,
+    RolloutRequest,
     new_idempotency_key,
 )
 from trio_gym.trainer.answers import decode_response, is_cut, named_cut
@@ -241,13 +242,13 @@ class HostClient:
                 response = await exchange(
                     self.endpoint,
                     "POST",
-                    "/rollouts/run",
+                    RUN_PATH,
                     payload,
                     limits=self.limits,
                     max_response_bytes=self.settings.max_response_bytes,
                     idle_timeout_s=self.settings.idle_timeout_s,
                     headers=[
-                        ("content-type", "application/json"),
+                        ("content-type", JSON_MEDIA),
                         (IDEMPOTENCY_KEY_HEADER, key),
                         *self.headers,
                     ],
@@ -303,7 +304,7 @@ class HostClient:
                 response = await exchange(
                     self.endpoint,
                     "DELETE",
-                    "/rollouts/run",
+                    RUN_PATH,
                     limits=self.limits,
                     max_response_bytes=64 * 1024,
                     idle_timeout_s=self.settings.give_up_timeout_s,
@@ -368,14 +369,15 @@ class HostClient:
         self, examples: Sequence[Mapping[str, Any]], *, row_offset: int = 0
     ) -> bytes:
         """The request body for ``examples``; a :class:`RolloutError` (client) if over the limit."""
-        document: dict[str, Any] = {"examples": list(examples)}
+        fields: dict[str, Any] = {"examples": list(examples)}
         if self.settings.host_deadline_s is not None:
-            document["deadline_s"] = self.settings.host_deadline_s
+            fields["deadline_s"] = self.settings.host_deadline_s
         if self.settings.failures != "batch":
-            document[FAILURES_FIELD] = self.settings.failures
+            fields["failures"] = self.settings.failures
         if row_offset:
-            document[ROW_OFFSET_FIELD] = row_offset
-        payload = encode_json(document)
+            fields["row_offset"] = row_offset
+        # Built, not validated: the examples are the caller's, checked by the host.
+        payload = encode_json(RolloutRequest.model_construct(**fields).wire_fields())
         if len(payload) > self.settings.max_request_bytes:
             raise RolloutError(
                 f"the request for {len(examples)} examples is {len(payload)} bytes, over the "

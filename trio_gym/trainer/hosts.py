@@ -30,6 +30,7 @@ from trio_gym.protocol.host_identity import (
     HOST_IDENTITY_HEADER,
     identity_digest,
 )
+from trio_gym.protocol.rollouts import HEALTH_PATH
 from trio_gym.trainer.gateways import backend_never_reached
 
 # A /health answer is a few hundred bytes; anything much bigger is not one.
@@ -94,7 +95,7 @@ async def probe(
             response = await exchange(
                 endpoint,
                 "GET",
-                "/health",
+                HEALTH_PATH,
                 limits=limits or HttpLimits(),
                 max_response_bytes=_MAX_HEALTH_BYTES,
                 idle_timeout_s=timeout_s,

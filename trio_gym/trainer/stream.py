@@ -32,6 +32,9 @@ from trio_gym.http.h11_build import h11
 from trio_gym.logs import log_event
 from trio_gym.protocol.rollouts import (
     IDEMPOTENCY_KEY_HEADER,
+    JSON_MEDIA,
+    NDJSON_MEDIA,
+    RUN_PATH,
     SIDECAR_RECORD_FIELD,
     new_idempotency_key,
 )
@@ -41,8 +44,6 @@ from trio_gym.trainer.errors import Origin, Reach, RolloutError
 
 if TYPE_CHECKING:
     from trio_gym.trainer.host_client import HostClient
-
-NDJSON = "application/x-ndjson"
 
 
 @attrs.frozen
@@ -183,11 +184,11 @@ class RowStream:
         )
         self._head = await self._exchange.send(
             "POST",
-            "/rollouts/run",
+            RUN_PATH,
             self._payload,
             headers=[
-                ("content-type", "application/json"),
-                ("accept", NDJSON),
+                ("content-type", JSON_MEDIA),
+                ("accept", NDJSON_MEDIA),
                 (IDEMPOTENCY_KEY_HEADER, self._key),
                 *client.headers,
             ],
