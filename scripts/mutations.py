@@ -2783,6 +2783,15 @@ MUTATIONS = [
             "tests/test_runners.py::test_only_a_boundary_reporter_is_waited_for_before_its_first_boundary",
         ),
     ),
+    Mutation(
+        "a change noted wakes its waiters for good: the event is never renewed (#25)",
+        "trio_gym/changes.py",
+        "        self._event.set()\n        self._event = trio.Event()",
+        "        self._event.set()",
+        (
+            "tests/test_changes.py::test_every_waiter_wakes_at_a_note_and_sleeps_again_until_the_next",
+        ),
+    ),
 ]
 
 

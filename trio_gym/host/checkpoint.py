@@ -19,6 +19,7 @@ from typing import Any, Final, TypeVar
 import attrs
 import trio
 
+from trio_gym.changes import Changes
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import (
@@ -112,7 +113,7 @@ class Checkpoints:
         self._replies = ReplyCache()
         self._resumed: OrderedDict[str, ResumeReply] = OrderedDict()
         self._export: trio.CancelScope | None = None
-        self._lease_changed = trio.Event()
+        self._lease_changes = Changes()
         self._committing: set[str] = set()
 
     @property
@@ -134,18 +135,16 @@ class Checkpoints:
 
     def _set_lease(self, lease_s: float) -> None:
         self.lease_until = trio.current_time() + lease_s
-        self._lease_changed.set()
-        self._lease_changed = trio.Event()
+        self._lease_changes.note()
 
     async def watch_lease(self) -> None:
         """Resume the host when a lease runs out unrenewed. Runs for the server's lifetime."""
         while True:
-            changed = self._lease_changed
             if self.lease_until is None:
-                await changed.wait()
+                await self._lease_changes.wait()
                 continue
             with trio.move_on_at(self.lease_until):
-                await changed.wait()
+                await self._lease_changes.wait()
                 continue
             if self.checkpoint_id is not None:
                 log_event("lease_expired", checkpoint_id=self.checkpoint_id)
@@ -351,8 +350,7 @@ class Checkpoints:
         self.phases.move(CheckpointPhase.IDLE, checkpoint_id)
         self._replies.forget_checkpoint(checkpoint_id)
         self.lease_until = None
-        self._lease_changed.set()
-        self._lease_changed = trio.Event()
+        self._lease_changes.note()
         reply = ResumeReply(
             phase=CheckpointPhase.IDLE, checkpoint_id=checkpoint_id, admission="open"
         )

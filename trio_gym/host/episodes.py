@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from trio_gym.changes import Changes
 from trio_gym.deadline import PausableDeadline
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.protocol.identity import EpisodeId
@@ -86,7 +87,7 @@ class Episodes:
         """Capture key -> rollout id of restored episodes already re-dispatched (exactly once)."""
         self.boundaries = 0
         self._release: trio.Event = trio.Event()
-        self._changed = trio.Event()
+        self._changes = Changes()
         self._reports_boundaries = runner_reports_boundaries
         self._paused: set[PausableDeadline] = set()
         """The deadlines of batches an episode of which parked, run on when parking ends."""
@@ -102,11 +103,10 @@ class Episodes:
     # --- changes and waiting ------------------------------------------------------------
 
     def _note(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changes.note()
 
     async def wait_for_change(self) -> None:
-        await self._changed.wait()
+        await self._changes.wait()
 
     # --- admission ------------------------------------------------------------------------
 

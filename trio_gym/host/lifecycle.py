@@ -21,6 +21,7 @@ from typing import Final
 import attrs
 import trio
 
+from trio_gym.changes import Changes
 from trio_gym.config import ServeConfig
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.install import InstallError, install_environment
@@ -79,7 +80,7 @@ class Lifecycle:
         self._config = config
         self._runner = runner
         self._phase: StartupPhase = Ready() if runner is not None else Starting("starting")
-        self._phase_changed = trio.Event()
+        self._phase_changes = Changes()
         self.settled = trio.Event()
         """Set once start-up ended, ready or failed."""
         self.health_notes: list[str] = []
@@ -105,13 +106,11 @@ class Lifecycle:
         if type(to) not in MOVES[type(self._phase)]:
             return
         self._phase = to
-        self._phase_changed.set()
-        self._phase_changed = trio.Event()
+        self._phase_changes.note()
 
     async def wait_for_phase(self, predicate: Callable[[StartupPhase], bool]) -> StartupPhase:
         """Sleep until ``predicate(phase)`` holds (woken by every change); return the phase."""
-        while not predicate(self._phase):
-            await self._phase_changed.wait()
+        await self._phase_changes.until(lambda: predicate(self._phase))
         return self._phase
 
     def _fail(self, stage: str, message: str) -> None:

@@ -26,6 +26,7 @@ from typing import Final
 import attrs
 import trio
 
+from trio_gym.changes import Changes
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, send_body
 from trio_gym.http.h11_build import h11
@@ -70,28 +71,24 @@ class AnswerLog:
     broken: bool = False
     """It stopped before its end (no caller came back, or the host stopped): a caller's
     connection is then cut, never ended as if whole."""
-    changed: trio.Event = attrs.field(factory=trio.Event)
+    changes: Changes = attrs.field(factory=Changes)
 
     def start(self, status: int, content_type: str, *, chunked: bool) -> None:
         self.status, self.content_type, self.chunked, self.started = (
             status, content_type, chunked, True
         )  # fmt: skip
-        self._changed()
+        self.changes.note()
 
     def add(self, data: bytes, *, last: bool = False) -> None:
         if data:
             self.pieces.append(data)
             self.size += len(data)
         self.ended = last
-        self._changed()
+        self.changes.note()
 
     def breaks(self) -> None:
         self.broken = True
-        self._changed()
-
-    def _changed(self) -> None:
-        self.changed.set()
-        self.changed = trio.Event()
+        self.changes.note()
 
 
 class LogBody:
@@ -123,13 +120,9 @@ class KeyedBatch:
     finished_at: float | None = None
     refusal: WireError | None = None
     """Refused before its answer began (not kept: the same key may run once that passes)."""
-    caller_changes: trio.Event = attrs.field(factory=trio.Event)
+    caller_changes: Changes = attrs.field(factory=Changes)
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     """Around its run: a caller's ``DELETE`` cancels it."""
-
-    def callers_changed(self) -> None:
-        self.caller_changes.set()
-        self.caller_changes = trio.Event()
 
 
 Runs = Callable[[KeyedBatch], Awaitable[None]]
@@ -252,7 +245,7 @@ class KeyedBatches:
     async def attach(self, batch: KeyedBatch, conn: HttpConnection, *, again: bool) -> None:
         """Send ``batch``'s answer to ``conn`` from its start, as it grows, until its end."""
         batch.callers += 1
-        batch.callers_changed()
+        batch.caller_changes.note()
         if again:
             self.reattached_total += 1
             log_event("keyed_batch_attached", key=batch.key, callers=batch.callers)
@@ -260,20 +253,20 @@ class KeyedBatches:
             await self._send(batch, conn)
         finally:
             batch.callers -= 1
-            batch.callers_changed()
+            batch.caller_changes.note()
             self._forget_old()
 
     async def _send(self, batch: KeyedBatch, conn: HttpConnection) -> None:
         log = batch.log
         while not log.started and not log.broken:
-            await log.changed.wait()
+            await log.changes.wait()
         if batch.refusal is not None:
             raise batch.refusal
         if not log.started:  # stopped before it answered (a DELETE, the host stopping)
             raise ConnectionLost("the batch stopped before its answer began")
         if not log.chunked:
             while not log.ended:
-                await log.changed.wait()
+                await log.changes.wait()
             await send_body(conn, log.status, b"".join(log.pieces), content_type=log.content_type)
             return
         body = await ChunkedBody.start(conn, log.status, content_type=log.content_type)
@@ -287,7 +280,7 @@ class KeyedBatches:
             if log.ended:
                 await body.finish()
                 return
-            await log.changed.wait()
+            await log.changes.wait()
 
     def _forget_old(self) -> None:
         """Drop finished answers past their retention, then the oldest beyond the bytes kept.

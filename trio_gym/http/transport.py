@@ -15,6 +15,8 @@ from typing import Final, Protocol
 
 import trio
 
+from trio_gym.changes import Changes
+
 # Linux's struct tcp_info: eight one-byte fields, then 32-bit ones; tcpi_rtt (microseconds) is
 # the sixteenth of those.
 _TCP_INFO: Final = getattr(socket, "TCP_INFO", None)
@@ -155,7 +157,7 @@ class StreamTransport:
         self._send_timeout_s = send_timeout_s
         self._buffer_bytes = buffer_bytes
         self._queued = bytearray()
-        self._queued_changed = trio.Event()
+        self._queued_changes = Changes()
         self._sending = trio.Lock()
         self._received = b""
         self._eof = False
@@ -178,7 +180,7 @@ class StreamTransport:
         taken = max(0, min(len(data), self._buffer_bytes - len(self._queued)))
         if taken:
             self._queued += data[:taken]
-            self._queued_changed.set()
+            self._queued_changes.note()
         return taken
 
     @property
@@ -204,9 +206,7 @@ class StreamTransport:
         """Send what :meth:`write_now` queues as it is queued, until cancelled or the peer is
         gone."""
         while self._broken is None:
-            if not self._queued:
-                self._queued_changed = trio.Event()
-                await self._queued_changed.wait()
+            await self._queued_changes.until(lambda: bool(self._queued))
             await self._send_queued()
 
     async def _send_queued(self) -> None:

@@ -34,6 +34,7 @@ from typing import Any, Final, Protocol
 import attrs
 import trio
 
+from trio_gym.changes import Changes
 from trio_gym.http import encode_json
 from trio_gym.logs import log_event
 from trio_gym.processes.output import OutputTail
@@ -176,7 +177,7 @@ class _Worker:
         self._ids = itertools.count(1)
         self._to_write, self._writing = trio.open_memory_channel[int](math.inf)
         self._answers = 0
-        self._changed = trio.Event()
+        self._changes = Changes()
         """Set (and replaced) when a request is given, answered, or the worker ends."""
 
     async def call(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -262,12 +263,12 @@ class _Worker:
         ended (its requests fail) and killed."""
         while self.ended is None:
             if not self.calls:
-                await self._changed.wait()
+                await self._changes.wait()
                 continue
             answered = self._answers
             with trio.move_on_after(bound_s):
                 while self._answers == answered and self.ended is None:
-                    await self._changed.wait()
+                    await self._changes.wait()
                 continue
             self.end(
                 f"Gym's finalizer answered nothing for {bound_s:g} s with {len(self.calls)} "
@@ -278,8 +279,7 @@ class _Worker:
                 self.process.kill()
 
     def _note(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changes.note()
 
     def end(self, why: str) -> None:
         """The worker is gone: every request it was given fails, naming why (the first why)."""
@@ -315,7 +315,7 @@ class RecordFinalizer:
         """What Gym's config switches on, as the last worker configured said."""
         self._configured = False
         self._worker: _Worker | None = None
-        self._worker_changed = trio.Event()
+        self._worker_changes = Changes()
         self._last_end = "it has not started yet"
         self._retire_in, self._retire_out = trio.open_memory_channel[Retirement](math.inf)
 
@@ -441,8 +441,7 @@ class RecordFinalizer:
 
     def _use(self, worker: _Worker | None) -> None:
         self._worker = worker
-        self._worker_changed.set()
-        self._worker_changed = trio.Event()
+        self._worker_changes.note()
 
     async def _call(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
         """A request to the worker running now, waiting for one being started within
@@ -450,7 +449,7 @@ class RecordFinalizer:
         :class:`FinalizeFailed` saying why not."""
         with trio.move_on_after(self.call_timeout_s) as waiting:
             while (worker := self._worker) is None or worker.exited or worker.ended is not None:
-                await self._worker_changed.wait()
+                await self._worker_changes.wait()
         if waiting.cancelled_caught:
             raise FinalizeFailed(
                 f"no Gym finalizer was running within {self.call_timeout_s:g} s "

@@ -34,6 +34,7 @@ from typing import Any
 import attrs
 import trio
 
+from trio_gym.changes import Changes
 from trio_gym.errors import raise_unwrapped
 from trio_gym.http import HttpLimits, StreamOpener, open_tcp
 from trio_gym.logs import log_event
@@ -186,7 +187,7 @@ class Scheduler:
         self._places = [Member(host) for host in hosts]
         self._known = {member.name: member for member in self._places}
         self._waiters: collections.deque[_Waiter] = collections.deque()
-        self._changed = trio.Event()
+        self._changes = Changes()
         self._replacements_left = (
             len(hosts) if self.settings.max_replacements is None else self.settings.max_replacements
         )
@@ -329,14 +330,12 @@ class Scheduler:
     async def until_lost(self, name: str) -> str | None:
         """Wait until host ``name`` is lost and its work handed on; its heir."""
         member = self._known[name]
-        while not member.settled:
-            await self._changed.wait()
+        await self._changes.until(lambda: member.settled)
         return member.heir.name if member.heir else None
 
     async def until_handed_on(self) -> None:
         """Wait until every lost host's work is on its heir (no replacement is starting)."""
-        while self.unsettled:
-            await self._changed.wait()
+        await self._changes.until(lambda: not self.unsettled)
 
     async def until_settled(self, member: Member) -> None:
         """Wait until ``member`` is healthy again, or lost and its work handed on (then
@@ -346,7 +345,7 @@ class Scheduler:
                 raise HostLost(member.name, member.heir.name if member.heir else None)
             if member.healthy:
                 return
-            await self._changed.wait()
+            await self._changes.wait()
 
     # --- slots ------------------------------------------------------------------------------
 
@@ -381,8 +380,7 @@ class Scheduler:
         return min(free, key=lambda m: m.in_flight, default=None)
 
     def _changed_now(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._changes.note()
         self._grant()
 
     def _refuse_all(self, error: RolloutError) -> None:
