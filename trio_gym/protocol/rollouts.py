@@ -55,7 +55,8 @@ class RolloutRequest(BaseModel):
     def wire_fields(self) -> dict[str, Any]:
         """The fields it was built with, as they are: what a sender encodes (the examples are
         not copied, and a field left at its default is not sent)."""
-        return {name: getattr(self, name) for name in self.model_fields_set}
+        chosen = self.model_fields_set  # a set: keep the model's order, so the bytes are fixed
+        return {name: getattr(self, name) for name in type(self).model_fields if name in chosen}
 
 
 IDEMPOTENCY_KEY_HEADER: Final = "idempotency-key"
