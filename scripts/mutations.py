@@ -788,7 +788,7 @@ MUTATIONS = [
     Mutation(
         "parking that ends leaves parked episodes waiting (#15)",
         "trio_gym/host/episodes.py",
-        "            self._paused.clear()\n            self._release.set()",
+        "            self._paused.clear()\n            self._release.note()",
         "            self._paused.clear()",
         ("tests/test_checkpoint.py::test_a_lease_that_expires_resumes_the_host_by_itself",),
     ),
@@ -2790,6 +2790,24 @@ MUTATIONS = [
         "        self._event.set()",
         (
             "tests/test_changes.py::test_every_waiter_wakes_at_a_note_and_sleeps_again_until_the_next",
+        ),
+    ),
+    Mutation(
+        "a control operation of the protocol's table left unrouted (#25 review)",
+        "trio_gym/host/control.py",
+        "    FORGET: _forget,\n",
+        "",
+        (
+            "tests/test_checkpoint_rules.py::test_every_operation_of_the_protocols_table_is_routed_and_carried_out",
+        ),
+    ),
+    Mutation(
+        "a runner's promise of boundaries ignored when listing restarts (#25 review)",
+        "trio_gym/host/episodes.py",
+        "        if self._reports_boundaries():\n            return []",
+        "        if False:\n            return []",
+        (
+            "tests/test_runners.py::test_only_a_boundary_reporter_is_waited_for_before_its_first_boundary",
         ),
     ),
 ]

@@ -20,6 +20,9 @@ from tests.helpers import exchange, in_memory, request_bytes, wire
 from trio_gym.config import ServeConfig
 from trio_gym.errors import WireError
 from trio_gym.host import Host
+from trio_gym.host.control import CARRY_OUT
+from trio_gym.host.server import ROUTES
+from trio_gym.protocol.control import OPERATIONS, STATUS
 from trio_gym.protocol.export import MANIFEST
 from trio_gym.runners import ExampleRunner
 from trio_gym.trainer import RolloutError
@@ -399,3 +402,13 @@ async def test_an_unreachable_host_is_a_control_timeout(autojump_clock: trio.abc
     with pytest.raises(ControlTimeout) as unreachable:
         await control.status(timeout_s=5)
     assert unreachable.value.code == "unreachable"
+
+
+def test_every_operation_of_the_protocols_table_is_routed_and_carried_out() -> None:
+    """The host routes the protocol's own table: no operation is left to a 404 or a 500."""
+    posted = {op for op in OPERATIONS.values() if op is not STATUS}
+    assert set(CARRY_OUT) == posted
+    assert {path for path, methods in ROUTES.items() if b"POST" in methods} >= {
+        op.path for op in posted
+    }
+    assert ROUTES[STATUS.path].keys() == {b"GET"}

@@ -1,5 +1,5 @@
-"""The host as a checkpoint participant: the operations, their id rules and
-replies, the lease, and the batch deadlines that stand still while their episodes are parked.
+"""The host as a checkpoint participant: the operations, their id rules and replies, and the
+lease. (A batch's deadline stands still while its episodes are parked: that is the episodes'.)
 
 The phases and their legal moves are :mod:`~trio_gym.host.checkpoint_phases`; reading an export
 back is :mod:`~trio_gym.host.restore`. Every call names a ``checkpoint_id``. While one is
@@ -44,6 +44,7 @@ from trio_gym.protocol.control import (
 from trio_gym.protocol.export import FORMAT, ParticipantExport
 from trio_gym.runners.base import StateParticipant
 
+from .checkpoint_phases import CheckpointPhases
 from .episodes import Episodes, LiveEpisode
 from .export import publish_manifest, write_records
 from .restore import host_record, plan_restore
@@ -106,7 +107,6 @@ class Checkpoints:
         wall_time: Callable[[], float],
     ) -> None:
         self.episodes = Episodes(runner_reports_boundaries=runner_reports_boundaries)
-        self.phases = self.episodes.phases
         self._participant = participant
         self._wall_time = wall_time
         self.lease_until: float | None = None
@@ -115,6 +115,11 @@ class Checkpoints:
         self._export: trio.CancelScope | None = None
         self._lease_changes = Changes()
         self._committing: set[str] = set()
+
+    @property
+    def phases(self) -> CheckpointPhases:
+        """The episodes' phases (they own them and follow their moves)."""
+        return self.episodes.phases
 
     @property
     def phase(self) -> CheckpointPhase:

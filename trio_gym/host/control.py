@@ -23,9 +23,16 @@ from trio_gym.errors import ErrorCode, WireError, describe_validation_error
 from trio_gym.http import HttpConnection, read_body, send_json
 from trio_gym.http.h11_build import h11
 from trio_gym.protocol.control import (
-    OPERATIONS,
+    COMMIT,
+    FORGET,
+    PREPARE,
+    RENEW,
+    RESTORE,
+    RESUME,
+    RETIRE,
     Commit,
     Forget,
+    Operation,
     Prepare,
     Renew,
     Reply,
@@ -81,15 +88,16 @@ async def _forget(services: Services, call: Forget) -> Reply:
     return services.checkpoints.forget(call.checkpoint_id, call.rollout_ids)
 
 
-# What carries out each POST operation of the protocol's table (status is answer_status).
-CARRY_OUT: Final[dict[str, Callable[[Services, Any], Awaitable[Reply]]]] = {
-    "prepare": _prepare,
-    "renew": _renew,
-    "commit": _commit,
-    "resume": _resume,
-    "restore": _restore,
-    "retire": _retire,
-    "forget": _forget,
+# What carries out each POST operation of the protocol's table (status is answer_status); the
+# server routes exactly these, each to answer_operation bound to its operation.
+CARRY_OUT: Final[dict[Operation[Any, Any], Callable[[Services, Any], Awaitable[Reply]]]] = {
+    PREPARE: _prepare,
+    RENEW: _renew,
+    COMMIT: _commit,
+    RESUME: _resume,
+    RESTORE: _restore,
+    RETIRE: _retire,
+    FORGET: _forget,
 }
 
 
@@ -117,15 +125,17 @@ async def answer_status(services: Services, conn: HttpConnection, head: h11.Requ
     await send_json(conn, 200, services.checkpoints.status().model_dump(mode="json"))
 
 
-async def answer_operation(services: Services, conn: HttpConnection, head: h11.Request) -> None:
+async def answer_operation(
+    operation: Operation[Any, Any], services: Services, conn: HttpConnection, head: h11.Request
+) -> None:
+    """Answer a POST of ``operation`` (the route binds it)."""
     _authorize(services, head)
-    name = head.target.decode("ascii", "replace").partition("?")[0].rsplit("/", 1)[-1]
-    model, carry_out = OPERATIONS[name].request, CARRY_OUT[name]
+    name = operation.name
     body = await read_body(
         conn, head, max_bytes=MAX_CONTROL_BODY, idle_timeout_s=services.limits.read_timeout_s
     )
     try:
-        call = model.model_validate(json.loads(body))
+        call = operation.request.model_validate(json.loads(body))
     except (ValueError, RecursionError) as exc:
         detail = (
             describe_validation_error(exc) if isinstance(exc, pydantic.ValidationError) else exc
@@ -136,5 +146,5 @@ async def answer_operation(services: Services, conn: HttpConnection, head: h11.R
             ErrorCode.DEADLINE_EXCEEDED,
             f"{name}: its deadline had passed when it arrived; check the clocks or the timeout",
         )
-    reply = await carry_out(services, call)
+    reply = await CARRY_OUT[operation](services, call)
     await send_json(conn, 200, reply.model_dump(mode="json"))

@@ -86,7 +86,8 @@ class Episodes:
         self.consumed: dict[str, str] = {}
         """Capture key -> rollout id of restored episodes already re-dispatched (exactly once)."""
         self.boundaries = 0
-        self._release: trio.Event = trio.Event()
+        self._release = Changes()
+        """Noted when parking ends: parked episodes go on."""
         self._changes = Changes()
         self._reports_boundaries = runner_reports_boundaries
         self._paused: set[PausableDeadline] = set()
@@ -220,23 +221,27 @@ class Episodes:
             for deadline in self._paused:
                 deadline.resume()
             self._paused.clear()
-            self._release.set()
-            self._release = trio.Event()
+            self._release.note()
         self._note()
 
     def blockers(self) -> list[LiveEpisode]:
-        """Capturable episodes not yet parked: what ``prepare`` waits for."""
-        return [live for live in self.live.values() if self._capturable(live) and not live.parked]
+        """Capturable episodes not yet parked: what ``prepare`` waits for. An episode is
+        capturable once it reported a boundary, or from the start if its runner promises one."""
+        every = self._reports_boundaries()  # asked once per listing, not once per episode
+        return [
+            live
+            for live in self.live.values()
+            if not live.parked and (every or live.reported_a_boundary)
+        ]
 
     def restarts(self) -> list[LiveEpisode]:
         """Episodes that cannot be captured: listed, never waited for, never exported."""
-        return [live for live in self.live.values() if not self._capturable(live)]
+        if self._reports_boundaries():
+            return []
+        return [live for live in self.live.values() if not live.reported_a_boundary]
 
     def parked(self) -> list[LiveEpisode]:
         return [live for live in self.live.values() if live.parked]
-
-    def _capturable(self, live: LiveEpisode) -> bool:
-        return live.reported_a_boundary or self._reports_boundaries()
 
     def knows(self, capture_key: str) -> bool:
         """Whether ``capture_key`` is running, waiting as restored, or was restored and used."""

@@ -145,7 +145,7 @@ class KeyedBatches:
         return self._nursery is not None
 
     async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the keyed batches (a task of the host's services); they end with it."""
+        """Own the keyed batches (a task of the host's background nursery); they end with it."""
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             try:

@@ -10,6 +10,7 @@ import os
 import socket
 import urllib.parse
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -30,12 +31,12 @@ from trio_gym.http import (
 from trio_gym.http.h11_build import h11
 from trio_gym.http.transport import STREAM_BUFFER_BYTES
 from trio_gym.logs import log_event
-from trio_gym.protocol.control import OPERATIONS, STATUS
+from trio_gym.protocol.control import STATUS
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER
 from trio_gym.protocol.rollouts import HEALTH_PATH, RUN_PATH
 
 from .admission import Admitted
-from .control import answer_operation, answer_status
+from .control import CARRY_OUT, answer_operation, answer_status
 from .rollouts import answer_rollouts, cancel_keyed
 from .state import Host, Services
 
@@ -68,7 +69,7 @@ ROUTES: Final[dict[str, dict[bytes, Handler]]] = {
         b"OPTIONS": _answer_options,
     },
     STATUS.path: {b"GET": answer_status},
-    **{op.path: {b"POST": answer_operation} for op in OPERATIONS.values() if op is not STATUS},
+    **{op.path: {b"POST": partial(answer_operation, op)} for op in CARRY_OUT},
     "*": {b"OPTIONS": _answer_options},  # the server as a whole (RFC 9110 §9.3.7)
 }
 

@@ -12,8 +12,9 @@ The examples run in one nursery beside
   ``shutting_down``.
 
 When the caller is gone, the nursery is cancelled and with it every running example; nothing is
-left running. The deadline is a cancel scope around the examples alone, so a batch that
-outlives it is cancelled and still answered (``deadline_exceeded``).
+left running. The deadline is the batch's own scope (its pausable deadline's, around the
+examples, the heartbeat and the watcher), so a batch that outlives it is cancelled and still
+answered (``deadline_exceeded``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ with the reason.
 While it waits for something, :func:`report_start_progress` says what, and ``/health`` shows it;
 something the host should say for as long as it serves (a capability it lacks here) goes to
 :func:`report_health_note`. A runner that needs tasks of its own while the host serves (a worker
-process it owns) is a :class:`ServedRunner` instead: its ``serve`` runs in the host's services
+process it owns) is a :class:`ServedRunner` instead: its ``serve`` runs in the host's background
 nursery, beside the connections. A :class:`ClosingRunner`'s ``async def aclose(self)`` runs once
 when the host has stopped serving.
 ``check_example`` is called on the trio thread for small request bodies and on a worker thread

@@ -178,7 +178,7 @@ class _Worker:
         self._to_write, self._writing = trio.open_memory_channel[int](math.inf)
         self._answers = 0
         self._changes = Changes()
-        """Set (and replaced) when a request is given, answered, or the worker ends."""
+        """Noted when a request is given, answered, or the worker ends."""
 
     async def call(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
         """One request and its answer. Raises :class:`FinalizeFailed` for a refusal, or once

@@ -48,6 +48,7 @@ from trio_gym.protocol.control import (
     Status,
     StatusReply,
 )
+from trio_gym.protocol.rollouts import JSON_MEDIA
 
 REPLY_GRACE_S: Final = 5.0
 
@@ -215,7 +216,7 @@ class HostControl:
                     idle_timeout_s=timeout_s + self._grace,
                     headers=[
                         ("authorization", f"Bearer {self._token}"),
-                        ("content-type", "application/json"),
+                        ("content-type", JSON_MEDIA),
                         *self._headers,
                     ],
                     opener=self._opener,
