@@ -200,8 +200,8 @@ MUTATIONS = [
     Mutation(
         "an unknown key in the serve config passes",
         "trio_gym/config.py",
-        'model_config = ConfigDict(extra="forbid", frozen=True)\n\n    host: str',
-        'model_config = ConfigDict(extra="ignore", frozen=True)\n\n    host: str',
+        'model_config = ConfigDict(extra="forbid", frozen=True)\n\n    host: Annotated',
+        'model_config = ConfigDict(extra="ignore", frozen=True)\n\n    host: Annotated',
         ("tests/test_config.py::test_an_unknown_key_in_the_file_is_an_error_naming_key_and_file",),
     ),
     Mutation(
@@ -2808,6 +2808,63 @@ MUTATIONS = [
         "        if False:\n            return []",
         (
             "tests/test_runners.py::test_only_a_boundary_reporter_is_waited_for_before_its_first_boundary",
+        ),
+    ),
+    Mutation(
+        "#25 an export's files written and fsynced on the trio thread (the host stalls meanwhile)",
+        "trio_gym/host/checkpoint.py",
+        """await trio.to_thread.run_sync(
+                            write_records, directory, server_name, kind, rows
+                        )""",
+        "write_records(directory, server_name, kind, rows)",
+        ("tests/test_checkpoint.py::test_the_host_runs_on_while_an_export_file_is_written",),
+    ),
+    Mutation(
+        "#25 the trainer's manifest written and fsynced on the trio thread, under the ledger lock",
+        "trio_gym/trainer/coordinator.py",
+        "await trio.to_thread.run_sync(write_manifest, directory, manifest)",
+        "write_manifest(directory, manifest)",
+        ("tests/test_coordinator.py::test_the_trainer_runs_on_while_its_manifest_is_written",),
+    ),
+    Mutation(
+        "#25 a field's environment variable left out of the table made from the fields",
+        "trio_gym/config.py",
+        "name: setting.variable for name, setting in SETTINGS.items()",
+        'name: setting.variable for name, setting in SETTINGS.items() if name != "job_id"',
+        (
+            "tests/test_config.py::test_every_upstream_nmp_variable_is_honoured",
+            "tests/test_config.py::test_every_field_has_its_own_variable_and_every_flag_sets_its_field",
+        ),
+    ),
+    Mutation(
+        "#25 install offered serve's flags, serve only the installer's",
+        "trio_gym/cli.py",
+        "if not setting.flag or (installer_only and not setting.installer):",
+        "if not setting.flag or (installer_only is not setting.installer):",
+        (
+            "tests/test_config.py::test_every_field_has_its_own_variable_and_every_flag_sets_its_field",
+        ),
+    ),
+    Mutation(
+        "#25 a field's description changed and the README's settings table left as it was",
+        "trio_gym/config.py",
+        'description="TCP port; 0 picks a free one."',
+        'description="TCP port."',
+        ("tests/test_config.py::test_the_readmes_settings_table_is_made_from_the_fields",),
+    ),
+    Mutation(
+        "#25 a caller's work path not carried into the host's launch environment",
+        "trio_gym/config.py",
+        """    "job_id",
+    "environment_path",
+    "work_path",
+""",
+        """    "job_id",
+    "environment_path",
+""",
+        (
+            "tests/test_config.py::test_every_setting_a_caller_shares_with_the_host_reaches_its_environment",
+            "tests/test_config.py::test_caller_to_bootstrap_environment_to_serve_config_keeps_every_field",
         ),
     ),
 ]

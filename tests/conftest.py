@@ -7,11 +7,23 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import trio.testing
 
 from tests.processes import kill_all
 from tests.recorded import TOKEN_VARIABLE, Hosts
 
 SLOW_IMPORT_GATE = threading.Event()
+# Longer than this machine's fsync of an export file (~0.5 ms, 0.8 ms worst of 300): while a
+# worker thread writes, every task is blocked, and a clock that jumped at once would fire the
+# deadlines the write is meant to meet (trio's MockClock docs: the smallest threshold that
+# avoids false alarms while I/O is in flight).
+DISK_SETTLE_S = 0.05
+
+
+@pytest.fixture
+def disk_clock() -> trio.testing.MockClock:
+    """The autojump clock for tests whose code under test writes files from worker threads."""
+    return trio.testing.MockClock(autojump_threshold=DISK_SETTLE_S)
 
 
 @pytest.fixture

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ from tests.helpers import (
 )
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
+from trio_gym.host import checkpoint as checkpoint_module
 from trio_gym.host.export import write_records
 from trio_gym.protocol.export import MANIFEST, read_export
 from trio_gym.runners import ExampleContext, ExampleRunner
@@ -98,7 +101,7 @@ async def test_time_parked_is_not_charged_to_the_deadline(autojump_clock: trio.a
 
 
 async def test_a_lease_that_expires_resumes_the_host_by_itself(
-    autojump_clock: trio.abc.Clock,
+    disk_clock: trio.abc.Clock,
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("e", think_s=10)])
@@ -119,7 +122,7 @@ async def test_a_lease_that_expires_resumes_the_host_by_itself(
 
 
 async def test_ids_conflict_go_stale_and_completed_calls_replay(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("e", think_s=10)])
@@ -140,7 +143,7 @@ async def test_ids_conflict_go_stale_and_completed_calls_replay(
         assert stale.value.code == "stale_checkpoint"
 
 
-async def test_the_control_plane_needs_its_token(autojump_clock: trio.abc.Clock) -> None:
+async def test_the_control_plane_needs_its_token(disk_clock: trio.abc.Clock) -> None:
     async with rig() as r:
         wrong = HostControl("http://host:1", "guess", opener=r.control._opener, wall_time=wall)
         with pytest.raises(ControlError) as refused:
@@ -149,7 +152,7 @@ async def test_the_control_plane_needs_its_token(autojump_clock: trio.abc.Clock)
 
 
 async def test_commit_exports_digested_records_and_a_manifest(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     async with rig() as r:
         r.stream_in_background(
@@ -170,8 +173,36 @@ async def test_commit_exports_digested_records_and_a_manifest(
     assert len(store["a"]["events"]) <= 2
 
 
+async def test_the_host_runs_on_while_an_export_file_is_written(
+    disk_clock: trio.abc.Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The first file's write blocks until a trio task releases it: written on the trio thread,
+    # no task could run, and the write gives up.
+    started, released = threading.Event(), threading.Event()
+
+    def write_when_released(*args: Any) -> Any:
+        started.set()
+        if not released.wait(timeout=10):
+            raise AssertionError("the export was written on the trio thread: nothing else ran")
+        return write_records(*args)
+
+    monkeypatch.setattr(checkpoint_module, "write_records", write_when_released)
+    async with rig() as r:
+        r.stream_in_background("batch", [episode("a", think_s=10)])
+        await trio.sleep(12)
+        await r.control.prepare("c1", timeout_s=30)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(
+                partial(r.control.commit, "c1", str(tmp_path / "export"), timeout_s=30)
+            )
+            await trio.to_thread.run_sync(started.wait)
+            released.set()
+        await r.control.resume("c1", timeout_s=5)
+    assert read_export(tmp_path / "export").records[("host", "episodes")]
+
+
 async def test_a_tampered_or_unpublished_export_is_refused_and_changes_nothing(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("a", think_s=10)])
@@ -197,7 +228,7 @@ async def test_a_tampered_or_unpublished_export_is_refused_and_changes_nothing(
 
 
 async def test_restore_continues_each_episode_once_as_the_next_attempt(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     example = episode("cal", think_s=10, meetings=5)
     async with rig() as a:
@@ -228,7 +259,7 @@ async def test_restore_continues_each_episode_once_as_the_next_attempt(
 
 
 async def test_admission_closed_refuses_new_work_but_costs_nothing(
-    autojump_clock: trio.abc.Clock,
+    disk_clock: trio.abc.Clock,
 ) -> None:
     async with rig() as r:
         r.stream_in_background("running", [episode("old", think_s=10)])
@@ -253,7 +284,7 @@ async def test_admission_closed_refuses_new_work_but_costs_nothing(
 
 
 async def test_retire_is_refused_during_a_checkpoint_and_stale_until_forget(
-    autojump_clock: trio.abc.Clock,
+    disk_clock: trio.abc.Clock,
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("x", think_s=100)])
@@ -277,7 +308,7 @@ async def test_retire_is_refused_during_a_checkpoint_and_stale_until_forget(
 
 
 async def test_a_restore_with_the_wrong_participants_changes_nothing(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("a", think_s=10)])
@@ -298,7 +329,7 @@ async def test_a_restore_with_the_wrong_participants_changes_nothing(
 
 
 async def test_episodes_that_cannot_be_captured_are_restarts_never_waited_for_or_exported(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     runner = CountingRunner(ScriptedRunner())  # reports no boundaries: an opaque agent
     host = Host(ServeConfig(port=0, control_token=TOKEN), runner=runner, wall_time=wall)

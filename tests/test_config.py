@@ -6,14 +6,20 @@ from pathlib import Path
 
 import pytest
 
+from scripts.settings_table import table_in
+from trio_gym.cli import _parser
 from trio_gym.config import (
     BOOTSTRAP_VARIABLES,
+    BOOTSTRAPPED_FIELDS,
+    ENVIRONMENT_VARIABLES,
+    SETTINGS,
     CallerConfig,
     ConfigError,
     ServeConfig,
     load_caller_config,
     load_serve_config,
     parse_agent_pairs,
+    settings_table,
 )
 from trio_gym.http import Endpoint
 
@@ -288,3 +294,35 @@ def test_a_yaml_error_is_one_line_naming_file_line_and_column(
     message = str(caught.value)
     assert "\n" not in message
     assert message.startswith(f"{tmp_path}/{line}: not valid YAML: ") and what in message
+
+
+def test_the_readmes_settings_table_is_made_from_the_fields() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    start, end = table_in(readme)
+    assert readme[start:end] == settings_table(), "run scripts/settings_table.py"
+
+
+def test_every_field_has_its_own_variable_and_every_flag_sets_its_field() -> None:
+    assert len(set(ENVIRONMENT_VARIABLES.values())) == len(ServeConfig.model_fields)
+    values = {"int": "7", "float": "2.5", "str": "x"}
+    for name, setting in SETTINGS.items():
+        if not setting.flag:
+            continue
+        annotation = ServeConfig.model_fields[name].annotation
+        given = [setting.flag] if annotation is bool else [setting.flag, "a=http://h:1"]
+        if annotation in (int, float, str):
+            given = [setting.flag, values[annotation.__name__]]
+        args = _parser().parse_args(["serve", *given])
+        assert getattr(args, name) not in (None, False), setting.flag
+        assert args.flag_table[name] == setting.flag
+        install = _parser().parse_args(["install"])
+        assert (name in install.flag_table) is setting.installer, setting.flag
+
+
+def test_every_setting_a_caller_shares_with_the_host_reaches_its_environment() -> None:
+    shared = set(CallerConfig.model_fields) & set(ServeConfig.model_fields)
+    assert shared <= set(BOOTSTRAPPED_FIELDS)
+    caller = CallerConfig(environment_path="/env", gym_global_config={"policy_model_name": "m"})
+    served = load_serve_config(environ=caller.bootstrap_environment())
+    for name in shared:
+        assert getattr(served, name) == getattr(caller, name), name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import threading
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -17,6 +18,7 @@ import trio
 from tests.fleet import calendar, crash, fleet, restart, uninterrupted
 from tests.helpers import ScriptedRunner
 from trio_gym.trainer import ClientSettings
+from trio_gym.trainer import coordinator as coordinator_module
 from trio_gym.trainer.control import ControlTimeout, HostControl
 from trio_gym.trainer.coordinator import (
     CheckpointAborted,
@@ -28,7 +30,7 @@ from trio_gym.trainer.coordinator import (
 )
 from trio_gym.trainer.dispatch import Dispatcher
 from trio_gym.trainer.ledger import AttemptState
-from trio_gym.trainer.manifest import MANIFEST_NAME, load_manifest
+from trio_gym.trainer.manifest import MANIFEST_NAME, load_manifest, write_manifest
 
 GROUPS = {
     "long": [calendar(1, think_s=5.0), calendar(2, think_s=5.0)],
@@ -59,7 +61,7 @@ def keyed(consumed: list[Any]) -> Counter[tuple[str, int]]:
 
 
 async def test_a_checkpoint_exports_parked_episodes_drains_the_rest_and_resumes(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     manifest, consumed = await checkpoint_mid_flight(tmp_path)
     assert load_manifest(tmp_path / "c1") == manifest
@@ -91,8 +93,29 @@ async def test_a_checkpoint_exports_parked_episodes_drains_the_rest_and_resumes(
         assert sealed.result["booked"] == expected["booked"]
 
 
+async def test_the_trainer_runs_on_while_its_manifest_is_written(
+    disk_clock: trio.abc.Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The manifest's write blocks until a trio task releases it: written on the trio thread
+    # (under the ledger's lock), no task could run, and the write gives up.
+    started, released = threading.Event(), threading.Event()
+
+    def write_when_released(*args: Any) -> Path:
+        started.set()
+        if not released.wait(timeout=10):
+            raise AssertionError("the manifest was written on the trio thread: nothing else ran")
+        return write_manifest(*args)
+
+    monkeypatch.setattr(coordinator_module, "write_manifest", write_when_released)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(checkpoint_mid_flight, tmp_path)
+        await trio.to_thread.run_sync(started.wait)
+        released.set()
+    assert load_manifest(tmp_path / "c1").hosts  # written whole once released
+
+
 async def test_restore_dispatches_each_exported_episode_once_as_the_next_attempt_on_its_host(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     manifest, _ = await checkpoint_mid_flight(tmp_path)
     exported = {key: host.instance for host in manifest.hosts for key in host.episodes}
@@ -116,7 +139,7 @@ async def test_restore_dispatches_each_exported_episode_once_as_the_next_attempt
 
 
 async def test_a_checkpoint_moved_elsewhere_restores_from_where_it_is_now(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     manifest, _ = await checkpoint_mid_flight(tmp_path)
     exported = {key for host in manifest.hosts for key in host.episodes}
@@ -135,7 +158,7 @@ async def test_a_checkpoint_moved_elsewhere_restores_from_where_it_is_now(
 
 @pytest.mark.parametrize("where", ["absolute", "escaping"])
 async def test_a_manifest_pointing_outside_its_checkpoint_is_refused_before_any_host_changes(
-    autojump_clock: trio.abc.Clock, tmp_path: Path, where: str
+    disk_clock: trio.abc.Clock, tmp_path: Path, where: str
 ) -> None:
     await checkpoint_mid_flight(tmp_path)
     path = tmp_path / "c1" / "gym_checkpoint.json"
@@ -164,7 +187,7 @@ async def test_a_manifest_pointing_outside_its_checkpoint_is_refused_before_any_
     ],
 )
 async def test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing(
-    autojump_clock: trio.abc.Clock,
+    disk_clock: trio.abc.Clock,
     tmp_path: Path,
     successors: dict[str, str] | None,
     refusal: str,
@@ -178,7 +201,7 @@ async def test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing(
 
 
 async def test_a_host_that_left_has_its_episodes_restored_on_its_named_successor(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     manifest, _ = await checkpoint_mid_flight(tmp_path)
     exported = {key: host.instance for host in manifest.hosts for key in host.episodes}
@@ -201,7 +224,7 @@ async def test_a_host_that_left_has_its_episodes_restored_on_its_named_successor
 
 
 async def test_a_tampered_export_is_refused_before_any_host_changes(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     manifest, _ = await checkpoint_mid_flight(tmp_path)
     host = manifest.hosts[0]
@@ -215,7 +238,7 @@ async def test_a_tampered_export_is_refused_before_any_host_changes(
 
 
 async def test_an_export_swapped_for_another_commit_is_refused(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     manifest, _ = await checkpoint_mid_flight(tmp_path)
     document = json.loads((tmp_path / "c1" / MANIFEST_NAME).read_text())
@@ -233,7 +256,7 @@ class DiesDuringRestore(HostControl):
 
 
 async def test_a_failed_restore_on_one_host_is_undone_on_every_host(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     await checkpoint_mid_flight(tmp_path)
     async with fleet(controls={"b": DiesDuringRestore}) as f:
@@ -249,7 +272,7 @@ async def test_a_failed_restore_on_one_host_is_undone_on_every_host(
 
 
 async def test_an_episode_the_trainer_never_dispatched_aborts_the_checkpoint(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     async with fleet() as f:
         stranger = f.dispatcher.hosts["a"].client.stream(
@@ -274,7 +297,7 @@ async def test_an_episode_the_trainer_never_dispatched_aborts_the_checkpoint(
 
 
 async def test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_aborted(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     settings = CheckpointSettings(prepare_timeout_s=20, max_consecutive_failures=2)
     async with fleet(checkpoint=settings) as f, trio.open_nursery() as nursery:
@@ -293,7 +316,7 @@ async def test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_abo
 
 
 async def test_an_unavailable_checkpoint_is_retried_and_the_count_resets(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     settings = CheckpointSettings(prepare_timeout_s=20, max_consecutive_failures=2)
     async with fleet(checkpoint=settings) as f, trio.open_nursery() as nursery:
@@ -309,7 +332,7 @@ async def test_an_unavailable_checkpoint_is_retried_and_the_count_resets(
 
 
 async def test_request_deadlines_stand_still_while_a_checkpoint_holds_admission_closed(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     settings = CheckpointSettings(prepare_timeout_s=500)
     client = ClientSettings(request_deadline_s=40)
@@ -363,7 +386,7 @@ class TamperedCommit(HostControl):
     ],
 )
 async def test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint(
-    autojump_clock: trio.abc.Clock, tmp_path: Path, tamper: str, message: str
+    disk_clock: trio.abc.Clock, tmp_path: Path, tamper: str, message: str
 ) -> None:
     controls = {"b": partial(TamperedCommit, tamper=tamper)}
     async with fleet(controls=controls) as f, trio.open_nursery() as nursery:
@@ -385,7 +408,7 @@ async def test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint(
 
 
 async def test_a_trainer_after_a_crash_never_reuses_the_ids_of_work_a_host_still_runs(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     late = {"late": [calendar(7, think_s=100)]}  # created after the checkpoint, long-running
     async with fleet() as f:
@@ -433,7 +456,7 @@ class _As:
 
 
 async def test_an_episode_given_up_during_the_drain_is_left_out_of_the_manifest(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     scripted = {"b": ScriptedRunner()}  # b's episodes report no boundaries: drained
     async with fleet(runners=scripted) as f, trio.open_nursery() as nursery:
@@ -464,7 +487,7 @@ async def _run_in(scope: trio.CancelScope, f: Any, group_id: str, examples: Any)
 
 
 async def test_a_second_checkpoint_while_one_is_under_way_is_refused(
-    autojump_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, tmp_path: Path
 ) -> None:
     async with fleet() as f, trio.open_nursery() as nursery:
         nursery.start_soon(run_all, f, {"slow": [calendar(1, think_s=50, meetings=1)]})

@@ -12,16 +12,19 @@ import gc
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import trio
 
 from trio_gym import logs
 from trio_gym.config import (
+    FLAG_VALUES,
+    SETTINGS,
     ConfigError,
     ServeConfig,
+    default_text,
     load_caller_config,
     load_serve_config,
     parse_agent_pairs,
@@ -38,34 +41,6 @@ from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.batch_file import run_file
 from trio_gym.trainer.scheduler import SchedulerSettings
 
-# serve's flags and the config fields they set.
-SERVE_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--host": ("host", str, "address to bind (default 127.0.0.1)"),
-    "--port": ("port", int, "TCP port, 0 for any free one (default 8080)"),
-    "--port-file": ("port_file", str, "once listening, write the bound port to this file"),
-    "--runner": (
-        "runner",
-        str,
-        "example (the default; gym with NMP_GYM_GLOBAL_CONFIG), agents, gym, or "
-        "package.module:factory",
-    ),
-    "--heartbeat-interval": ("heartbeat_interval_s", float, "seconds between heartbeats (15)"),
-    "--deadline": ("rollout_deadline_s", float, "longest a batch may run, seconds (1800)"),
-    "--max-request-bytes": ("max_request_bytes", int, "largest request body (256 MiB)"),
-    "--max-response-bytes": ("max_response_bytes", int, "largest results document (256 MiB)"),
-    "--head-server": ("head_server", str, "runner agents: a Gym head server listing the agents"),
-    "--gym-python": (
-        "gym_python",
-        str,
-        "runner gym: the Python that has nemo_gym (default: this one, if it has)",
-    ),
-}
-# The installer stage's flags, taken by both serve and install.
-INSTALL_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--environment-path": ("environment_path", str, "environment package directory"),
-    "--work-path": ("work_path", str, "writable directory the package is installed into"),
-}
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -79,14 +54,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Run the host. Flags override NMP_* environment variables, which override "
         "the config file, which overrides the defaults.",
     )
-    _add_config_flags(serve_cmd, {**SERVE_FLAGS, **INSTALL_FLAGS})
-    serve_cmd.add_argument(
-        "--agent",
-        dest="agent_pairs",
-        action="append",
-        metavar="NAME=URL",
-        help="runner agents: where an agent (or the environment server in front of it) is",
-    )
+    _add_config_flags(serve_cmd, installer_only=False)
 
     install_cmd = commands.add_parser(
         "install",
@@ -94,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Validate the environment package and install it as serve would; exit 0 "
         "when the environment is ready, 1 otherwise.",
     )
-    _add_config_flags(install_cmd, INSTALL_FLAGS)
+    _add_config_flags(install_cmd, installer_only=True)
 
     validate_cmd = commands.add_parser(
         "validate",
@@ -188,20 +156,30 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_config_flags(
-    parser: argparse.ArgumentParser, flags: dict[str, tuple[str, type, str]]
-) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, *, installer_only: bool) -> None:
+    """The config's flags (``install`` takes the installer stage's alone), made from the
+    fields' :class:`~trio_gym.config.Setting`."""
     parser.add_argument("--config", type=Path, help="YAML or JSON serve config")
-    for flag, (field, kind, text) in flags.items():
-        parser.add_argument(flag, dest=field, type=kind, help=text)
-    parser.add_argument(
-        "--environment-offline",
-        dest="environment_offline",
-        action="store_const",
-        const=True,
-        help="the wheelhouse is a complete closure: set UV_OFFLINE=1 (an operator's wins)",
-    )
-    parser.set_defaults(flag_table={**flags, "--environment-offline": ("environment_offline",)})
+    flag_table: dict[str, str] = {}
+    for name, setting in SETTINGS.items():
+        if not setting.flag or (installer_only and not setting.installer):
+            continue
+        field = ServeConfig.model_fields[name]
+        text = f"{field.description} Default: {default_text(name).strip('`')}."
+        if field.annotation is bool:
+            parser.add_argument(
+                setting.flag, dest=name, action="store_const", const=True, help=text
+            )
+        elif name in FLAG_VALUES:  # a mapping, one pair per flag
+            metavar = FLAG_VALUES[name].strip()
+            parser.add_argument(
+                setting.flag, dest=name, action="append", metavar=metavar, help=text
+            )
+        else:
+            kind = cast("Callable[[str], Any]", field.annotation)  # str, int or float
+            parser.add_argument(setting.flag, dest=name, type=kind, help=text)
+        flag_table[name] = setting.flag
+    parser.set_defaults(flag_table=flag_table)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -219,17 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _config(args: argparse.Namespace) -> ServeConfig | None:
     """The serve config from file, environment and this command's flags; None after an error."""
-    table: dict[str, tuple[Any, ...]] = args.flag_table
-    flags = {spec[0]: getattr(args, spec[0]) for spec in table.values()}
-    names = {spec[0]: flag for flag, spec in table.items()}
-    pairs = getattr(args, "agent_pairs", None)
-    if pairs:
+    names: dict[str, str] = args.flag_table
+    flags = {name: getattr(args, name) for name in names}
+    if flags.get("agents"):
         try:
-            flags["agents"] = parse_agent_pairs(pairs)
+            flags["agents"] = parse_agent_pairs(flags["agents"])
         except ValueError as exc:
-            print(f"trio-gym {args.command}: --agent {exc}", file=sys.stderr)
+            print(f"trio-gym {args.command}: {names['agents']} {exc}", file=sys.stderr)
             return None
-        names["agents"] = "--agent"
     if flags.get("environment_path") is not None:
         # A package named on the command line is meant to be there: missing is an error.
         flags["environment_package_required"] = True

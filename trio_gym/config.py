@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Final
 
+import attrs
 import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -35,144 +36,188 @@ PositiveSeconds = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 SECRET: Final[dict[str, Any]] = {"secret": True}
 
 
+@attrs.frozen
+class Setting:
+    """Where a :class:`ServeConfig` field is set from besides a config file: its environment
+    variable (the upstream host's name) and, when a person at a terminal needs it, a flag.
+    Written once on the field (``Annotated[type, Setting(...)]``); the variables table, the
+    flags of ``serve`` and ``install``, a caller's bootstrap environment and the README's
+    settings table are all made from these."""
+
+    variable: str
+    flag: str = ""
+    installer: bool = False
+    """The installer stage reads it: ``install`` takes its flag as well as ``serve``."""
+
+
 class ServeConfig(BaseModel):
     """Everything ``trio-gym serve`` needs. Frozen; unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    host: str = Field(default="127.0.0.1", description="Address to bind.")
-    port: int = Field(default=8080, ge=0, le=65535, description="TCP port; 0 picks a free one.")
-    port_file: str = Field(
+    host: Annotated[str, Setting("NMP_RUNTIME_HTTP_HOST", "--host")] = Field(
+        default="127.0.0.1",
+        description="Address to bind (0.0.0.0 when a launcher sets NMP_RUNTIME_HTTP_PORT and no "
+        "address).",
+    )
+    port: Annotated[int, Setting("NMP_RUNTIME_HTTP_PORT", "--port")] = Field(
+        default=8080, ge=0, le=65535, description="TCP port; 0 picks a free one."
+    )
+    port_file: Annotated[str, Setting("NMP_PORT_FILE", "--port-file")] = Field(
         default="",
         description="Once listening, write the bound port here (for a launcher that passed port "
         "0): the file appears whole, with the port and a newline.",
     )
-    runner: str = Field(
+    runner: Annotated[str, Setting("NMP_RUNNER", "--runner")] = Field(
         default="example",
         description="'example', 'agents', 'gym', or a user runner as 'package.module:factory' "
         "(default: 'gym' when gym_global_config is given, else 'example').",
     )
-    heartbeat_interval_s: PositiveSeconds = Field(
+    heartbeat_interval_s: Annotated[
+        PositiveSeconds, Setting("NMP_HEARTBEAT_INTERVAL_S", "--heartbeat-interval")
+    ] = Field(
         default=15.0,
         description="Seconds between single-space heartbeat chunks while a batch runs.",
     )
-    rollout_deadline_s: PositiveSeconds = Field(
+    rollout_deadline_s: Annotated[
+        PositiveSeconds, Setting("NMP_ROLLOUT_DEADLINE_S", "--deadline")
+    ] = Field(
         default=1800.0,
         description="Longest a batch may run; a request's deadline_s is capped by it.",
     )
-    max_request_bytes: int = Field(default=256 * MiB, gt=0)
-    max_response_bytes: int = Field(default=256 * MiB, gt=0)
-    max_head_bytes: int = Field(default=16 * 1024, ge=1024, description="Largest request head.")
-    read_timeout_s: PositiveSeconds = Field(
+    max_request_bytes: Annotated[int, Setting("NMP_MAX_REQUEST_BYTES", "--max-request-bytes")] = (
+        Field(default=256 * MiB, gt=0, description="Largest request body; a larger one is 413.")
+    )
+    max_response_bytes: Annotated[
+        int, Setting("NMP_MAX_RESPONSE_BYTES", "--max-response-bytes")
+    ] = Field(
+        default=256 * MiB,
+        gt=0,
+        description="Largest results document; a batch whose answer outgrows it fails, named.",
+    )
+    max_head_bytes: Annotated[int, Setting("NMP_MAX_HEAD_BYTES")] = Field(
+        default=16 * 1024, ge=1024, description="Largest request head."
+    )
+    read_timeout_s: Annotated[PositiveSeconds, Setting("NMP_READ_TIMEOUT_S")] = Field(
         default=30.0,
         description="Whole request head, and each gap in a body, must arrive within this.",
     )
-    send_timeout_s: PositiveSeconds = Field(
+    send_timeout_s: Annotated[PositiveSeconds, Setting("NMP_SEND_TIMEOUT_S")] = Field(
         default=30.0, description="A caller that takes no bytes for this long is given up."
     )
-    reattach_grace_s: PositiveSeconds = Field(
+    reattach_grace_s: Annotated[PositiveSeconds, Setting("NMP_REATTACH_GRACE_S")] = Field(
         default=60.0,
         description="A batch sent with an Idempotency-Key runs on this long with no caller "
         "attached (its caller may come back for it); then it is cancelled.",
     )
-    answer_retention_s: PositiveSeconds = Field(
+    answer_retention_s: Annotated[PositiveSeconds, Setting("NMP_ANSWER_RETENTION_S")] = Field(
         default=600.0,
         description="How long a keyed batch's finished answer is kept to be handed out again.",
     )
-    answer_retention_bytes: int = Field(
+    answer_retention_bytes: Annotated[int, Setting("NMP_ANSWER_RETENTION_BYTES")] = Field(
         default=256 * MiB,
         ge=0,
         description="Finished keyed answers kept, in bytes (the oldest go first).",
     )
-    max_connections: int = Field(
+    max_connections: Annotated[int, Setting("NMP_MAX_CONNECTIONS")] = Field(
         default=1024,
         gt=0,
         description="Connections served at once; more are answered 503 host_busy.",
     )
-    shutdown_grace_s: PositiveSeconds = Field(
+    shutdown_grace_s: Annotated[PositiveSeconds, Setting("NMP_SHUTDOWN_GRACE_S")] = Field(
         default=10.0,
         description="On SIGTERM, how long in-flight answers get before connections are cut.",
     )
-    job_id: str = Field(default="", description="Echoed in every results document.")
-    environment_path: str = Field(
-        default="", description="The environment package (nemo-environment.yaml) to install."
+    job_id: Annotated[str, Setting("NMP_JOB_ID")] = Field(
+        default="", description="Echoed in every results document."
     )
-    work_path: str = Field(default="", description="Writable directory for installs.")
-    environment_offline: bool = Field(
+    environment_path: Annotated[
+        str, Setting("NMP_ENVIRONMENT_PATH", "--environment-path", installer=True)
+    ] = Field(default="", description="The environment package (nemo-environment.yaml) to install.")
+    work_path: Annotated[str, Setting("NMP_WORK_PATH", "--work-path", installer=True)] = Field(
+        default="", description="Writable directory for installs."
+    )
+    environment_offline: Annotated[
+        bool, Setting("NMP_ENVIRONMENT_OFFLINE", "--environment-offline", installer=True)
+    ] = Field(
         default=False,
         description="Set UV_OFFLINE=1 beside UV_FIND_LINKS so nothing consults an index "
         "(an operator's own UV_OFFLINE wins).",
     )
-    environment_package_required: bool = Field(
-        default=False, description="Fail the start when no environment package is found."
+    environment_package_required: Annotated[bool, Setting("NMP_ENVIRONMENT_PACKAGE_REQUIRED")] = (
+        Field(default=False, description="Fail the start when no environment package is found.")
     )
-    install_timeout_s: PositiveSeconds = Field(
+    install_timeout_s: Annotated[PositiveSeconds, Setting("NMP_INSTALL_TIMEOUT_S")] = Field(
         default=900.0, description="Longest the installer stage's uv run may take."
     )
-    control_token: str = Field(
+    control_token: Annotated[str, Setting("NMP_CONTROL_TOKEN")] = Field(
         default="",
         description="Bearer token of the checkpoint control plane; empty turns the plane off.",
         json_schema_extra=SECRET,
     )
-    host_identity: str = Field(
+    host_identity: Annotated[str, Setting("NMP_HOST_IDENTITY")] = Field(
         default="",
         description="Given by the provider that launched this host: a request carrying "
         "another identity is refused (421 wrong_host); empty accepts any.",
         json_schema_extra=SECRET,
     )
-    agents: dict[str, str] = Field(
+    agents: Annotated[dict[str, str], Setting("NMP_AGENTS", "--agent")] = Field(
         default_factory=dict,
         description="For runner 'agents': agent name -> base URL of its server (or of the "
-        "environment server in front of it).",
+        "environment server in front of it); as a variable, a=URL,b=URL.",
     )
-    head_server: str = Field(
+    head_server: Annotated[str, Setting("NMP_HEAD_SERVER", "--head-server")] = Field(
         default="", description="For runner 'agents': a Gym head server that lists every server."
     )
-    agent_max_connections: int = Field(
+    agent_max_connections: Annotated[int, Setting("NMP_AGENT_MAX_CONNECTIONS")] = Field(
         default=64, gt=0, description="Requests in flight to one agent server at once."
     )
-    agent_connect_attempts: int = Field(
+    agent_connect_attempts: Annotated[int, Setting("NMP_AGENT_CONNECT_ATTEMPTS")] = Field(
         default=5, gt=0, description="Tries to connect to an agent server before failing."
     )
-    agent_retry_backoff_s: PositiveSeconds = Field(
+    agent_retry_backoff_s: Annotated[PositiveSeconds, Setting("NMP_AGENT_RETRY_BACKOFF_S")] = Field(
         default=0.5, description="Connection retry n waits n times this long."
     )
-    agent_rollout_attempts: int = Field(
+    agent_rollout_attempts: Annotated[int, Setting("NMP_AGENT_ROLLOUT_ATTEMPTS")] = Field(
         default=3,
         gt=0,
         description="Tries per row when Gym answers that its rollout failed (_ng_failure_class), "
         "as Gym's own collection retries it (NEMO_GYM_MAX_ROLLOUT_ATTEMPTS, 3).",
     )
-    gym_global_config: dict[str, Any] | None = Field(
+    gym_global_config: Annotated[dict[str, Any] | None, Setting("NMP_GYM_GLOBAL_CONFIG")] = Field(
         default=None,
         description="For runner 'gym': Gym's global config (JSON object), merged with the "
         "environment package's config_paths; given without a runner, the runner is 'gym'.",
         json_schema_extra=SECRET,  # it holds the model's API key
     )
-    gym_python: str = Field(
+    gym_python: Annotated[str, Setting("NMP_GYM_PYTHON", "--gym-python")] = Field(
         default="",
         description="For runner 'gym', and for finalizing Gym's records: the Python interpreter "
         "that has nemo_gym (default: this one, when nemo_gym imports here).",
     )
-    gym_start_timeout_s: PositiveSeconds = Field(
+    gym_start_timeout_s: Annotated[PositiveSeconds, Setting("NMP_GYM_START_TIMEOUT_S")] = Field(
         default=600.0,
         description="How long a Gym deployment (runner 'gym', or a head server for runner "
         "'agents') may take to answer before the start fails.",
     )
-    gym_finalize_timeout_s: PositiveSeconds = Field(
-        default=60.0,
-        description="Longest Gym's finalizer may take over one record (or one capture cleared) "
-        "before the row fails and the finalizer is started again.",
+    gym_finalize_timeout_s: Annotated[PositiveSeconds, Setting("NMP_GYM_FINALIZE_TIMEOUT_S")] = (
+        Field(
+            default=60.0,
+            description="Longest Gym's finalizer may take over one record (or one capture cleared) "
+            "before the row fails and the finalizer is started again.",
+        )
     )
-    gym_stop_grace_s: PositiveSeconds = Field(
+    gym_stop_grace_s: Annotated[PositiveSeconds, Setting("NMP_GYM_STOP_GRACE_S")] = Field(
         default=10.0,
         description="On stopping, how long Gym's processes get after SIGTERM before SIGKILL.",
     )
-    dataset_path: str = Field(
+    dataset_path: Annotated[str, Setting("NMP_DATASET_PATH")] = Field(
         default="", description="Handed to Gym's processes as NMP_DATASET_PATH."
     )
-    broker_url: str = Field(default="", description="Handed to Gym's processes as NMP_BROKER_URL.")
-    broker_token: str = Field(
+    broker_url: Annotated[str, Setting("NMP_BROKER_URL")] = Field(
+        default="", description="Handed to Gym's processes as NMP_BROKER_URL."
+    )
+    broker_token: Annotated[str, Setting("NMP_BROKER_TOKEN")] = Field(
         default="",
         description="Handed to Gym's processes as NMP_BROKER_TOKEN (a secret).",
         json_schema_extra=SECRET,
@@ -244,47 +289,53 @@ class ServeConfig(BaseModel):
         )
 
 
-# The environment variables the host honours; the NMP_ names are the upstream host's.
-ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
-    "host": "NMP_RUNTIME_HTTP_HOST",
-    "port": "NMP_RUNTIME_HTTP_PORT",
-    "port_file": "NMP_PORT_FILE",
-    "runner": "NMP_RUNNER",
-    "heartbeat_interval_s": "NMP_HEARTBEAT_INTERVAL_S",
-    "rollout_deadline_s": "NMP_ROLLOUT_DEADLINE_S",
-    "max_request_bytes": "NMP_MAX_REQUEST_BYTES",
-    "max_response_bytes": "NMP_MAX_RESPONSE_BYTES",
-    "max_head_bytes": "NMP_MAX_HEAD_BYTES",
-    "read_timeout_s": "NMP_READ_TIMEOUT_S",
-    "send_timeout_s": "NMP_SEND_TIMEOUT_S",
-    "reattach_grace_s": "NMP_REATTACH_GRACE_S",
-    "answer_retention_s": "NMP_ANSWER_RETENTION_S",
-    "answer_retention_bytes": "NMP_ANSWER_RETENTION_BYTES",
-    "max_connections": "NMP_MAX_CONNECTIONS",
-    "shutdown_grace_s": "NMP_SHUTDOWN_GRACE_S",
-    "job_id": "NMP_JOB_ID",
-    "environment_path": "NMP_ENVIRONMENT_PATH",
-    "work_path": "NMP_WORK_PATH",
-    "environment_offline": "NMP_ENVIRONMENT_OFFLINE",
-    "environment_package_required": "NMP_ENVIRONMENT_PACKAGE_REQUIRED",
-    "install_timeout_s": "NMP_INSTALL_TIMEOUT_S",
-    "control_token": "NMP_CONTROL_TOKEN",
-    "host_identity": "NMP_HOST_IDENTITY",
-    "agents": "NMP_AGENTS",
-    "head_server": "NMP_HEAD_SERVER",
-    "agent_max_connections": "NMP_AGENT_MAX_CONNECTIONS",
-    "agent_connect_attempts": "NMP_AGENT_CONNECT_ATTEMPTS",
-    "agent_retry_backoff_s": "NMP_AGENT_RETRY_BACKOFF_S",
-    "agent_rollout_attempts": "NMP_AGENT_ROLLOUT_ATTEMPTS",
-    "gym_global_config": "NMP_GYM_GLOBAL_CONFIG",
-    "gym_python": "NMP_GYM_PYTHON",
-    "gym_start_timeout_s": "NMP_GYM_START_TIMEOUT_S",
-    "gym_finalize_timeout_s": "NMP_GYM_FINALIZE_TIMEOUT_S",
-    "gym_stop_grace_s": "NMP_GYM_STOP_GRACE_S",
-    "dataset_path": "NMP_DATASET_PATH",
-    "broker_url": "NMP_BROKER_URL",
-    "broker_token": "NMP_BROKER_TOKEN",
+SETTINGS: Final[dict[str, Setting]] = {
+    name: next(m for m in field.metadata if isinstance(m, Setting))
+    for name, field in ServeConfig.model_fields.items()
 }
+# The environment variables the host honours, by field; the NMP_ names are the upstream host's.
+ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
+    name: setting.variable for name, setting in SETTINGS.items()
+}
+
+
+# What a flag whose field is a mapping takes, repeated (``--agent a=URL --agent b=URL``).
+FLAG_VALUES: Final[dict[str, str]] = {"agents": " NAME=URL"}
+
+
+def environment_text(value: Any) -> str:
+    """A field's value as its environment variable carries it (read back by
+    :func:`load_serve_config`): booleans as 1/0, mappings as JSON."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def default_text(name: str) -> str:
+    """A field's default as a person reads it (sizes in KiB/MiB; none for an empty mapping)."""
+    value = ServeConfig.model_fields[name].get_default(call_default_factory=True)
+    if value is None or value == {}:
+        return "none"
+    if name.endswith("_bytes") and value % 1024 == 0:
+        return f"{value // MiB} MiB" if value % MiB == 0 else f"{value // 1024} KiB"
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return f"`{json.dumps(value)}`" if isinstance(value, str | bool) else f"`{value}`"
+
+
+def settings_table() -> str:
+    """The README's settings table, made from the fields (a test holds the README to it)."""
+    rows = ["| flag | variable | config key | default | what it sets |", "|---|---|---|---|---|"]
+    for name, setting in SETTINGS.items():
+        flag = f"`{setting.flag}{FLAG_VALUES.get(name, '')}`" if setting.flag else ""
+        description = (ServeConfig.model_fields[name].description or "").replace("|", "\\|")
+        rows.append(
+            f"| {flag} | `{setting.variable}` | `{name}` | {default_text(name)} | {description} |"
+        )
+    return "\n".join(rows) + "\n"
+
 
 # Where the host listens when nothing names an address. A launcher that sets the port but no
 # address (the upstream orchestrator, scripts/gym_host.sh) publishes the port from outside the
@@ -312,19 +363,21 @@ def parse_agent_pairs(pairs: list[str]) -> dict[str, str]:
     return agents
 
 
-# The variables a caller's bootstrap environment is made of (the upstream host's
-# names). A caller's extra host variables may not redefine them.
-BOOTSTRAP_VARIABLES: Final = (
-    "NMP_JOB_ID",
-    "NMP_ENVIRONMENT_PATH",
-    "NMP_WORK_PATH",
-    "NMP_MAX_REQUEST_BYTES",
-    "NMP_MAX_RESPONSE_BYTES",
-    "NMP_ROLLOUT_DEADLINE_S",
-    "NMP_ENVIRONMENT_OFFLINE",
-    "NMP_ENVIRONMENT_PACKAGE_REQUIRED",
-    "NMP_GYM_GLOBAL_CONFIG",
+# The fields a caller's bootstrap environment carries (the caller config's own, and whether
+# the package must be there: it must when the caller names one).
+BOOTSTRAPPED_FIELDS: Final = (
+    "job_id",
+    "environment_path",
+    "work_path",
+    "max_request_bytes",
+    "max_response_bytes",
+    "rollout_deadline_s",
+    "environment_offline",
+    "environment_package_required",
+    "gym_global_config",
 )
+# Their variables: a caller's extra host variables may not redefine them.
+BOOTSTRAP_VARIABLES: Final = tuple(ENVIRONMENT_VARIABLES[name] for name in BOOTSTRAPPED_FIELDS)
 
 # Names that carry secrets. A sandbox's environment is readable by the untrusted code inside
 # it, so a credential must never travel there as an ordinary host variable.
@@ -405,22 +458,18 @@ class CallerConfig(BaseModel):
     def bootstrap_environment(self) -> dict[str, str]:
         """The host's launch environment: the bootstrap variables plus ``host_env``
         (``NMP_GYM_GLOBAL_CONFIG`` only when there is a Gym config: it selects the runner)."""
-        gym = (
-            {}
-            if self.gym_global_config is None
-            else {"NMP_GYM_GLOBAL_CONFIG": json.dumps(self.gym_global_config)}
-        )
+        values = {
+            **{name: getattr(self, name, None) for name in BOOTSTRAPPED_FIELDS},
+            "environment_path": self.environment_path or "",
+            "environment_package_required": bool(self.environment_path),
+        }
         return {
             **self.host_env,
-            **gym,
-            "NMP_JOB_ID": self.job_id,
-            "NMP_ENVIRONMENT_PATH": self.environment_path or "",
-            "NMP_WORK_PATH": self.work_path,
-            "NMP_MAX_REQUEST_BYTES": str(self.max_request_bytes),
-            "NMP_MAX_RESPONSE_BYTES": str(self.max_response_bytes),
-            "NMP_ROLLOUT_DEADLINE_S": repr(self.rollout_deadline_s),
-            "NMP_ENVIRONMENT_OFFLINE": "1" if self.environment_offline else "0",
-            "NMP_ENVIRONMENT_PACKAGE_REQUIRED": "1" if self.environment_path else "0",
+            **{
+                ENVIRONMENT_VARIABLES[name]: environment_text(value)
+                for name, value in values.items()
+                if value is not None
+            },
         }
 
 

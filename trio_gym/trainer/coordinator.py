@@ -175,7 +175,7 @@ class CheckpointCoordinator:
                 trainer_state=dict(self.trainer_state()),
                 hosts=[_still_owned(exports[host], ledger) for host in sorted(exports)],
             )
-            write_manifest(directory, manifest)
+            await trio.to_thread.run_sync(write_manifest, directory, manifest)
         dispatcher.last_checkpoint = LastCheckpoint(directory, manifest)
         return manifest
 
