@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Iterator
@@ -7,23 +8,44 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import trio
 import trio.testing
 
 from tests.processes import kill_all
 from tests.recorded import TOKEN_VARIABLE, Hosts
 
 SLOW_IMPORT_GATE = threading.Event()
-# Longer than this machine's fsync of an export file (~0.5 ms, 0.8 ms worst of 300): while a
-# worker thread writes, every task is blocked, and a clock that jumped at once would fire the
-# deadlines the write is meant to meet (trio's MockClock docs: the smallest threshold that
-# avoids false alarms while I/O is in flight).
-DISK_SETTLE_S = 0.05
+
+
+class _HoldWhileThreadsRun(trio.abc.Instrument):
+    """Keeps an autojump clock still while a worker thread runs.
+
+    A task waiting for ``trio.to_thread.run_sync`` is blocked, so a plain autojump clock jumps
+    to the next deadline while the thread works: a commit's deadline fired while its files were
+    fsynced. With this, the clock jumps only when no thread of trio's default limiter is out
+    (checked after every task step: where a thread starts, and where its result comes back).
+    """
+
+    def __init__(self, clock: trio.testing.MockClock) -> None:
+        self.clock = clock
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        busy = trio.to_thread.current_default_thread_limiter().borrowed_tokens > 0
+        self.clock.autojump_threshold = math.inf if busy else 0
 
 
 @pytest.fixture
 def disk_clock() -> trio.testing.MockClock:
-    """The autojump clock for tests whose code under test writes files from worker threads."""
-    return trio.testing.MockClock(autojump_threshold=DISK_SETTLE_S)
+    """The autojump clock for tests whose code under test writes files from worker threads;
+    such a test takes :func:`threads_hold_the_clock` beside it."""
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+@pytest.fixture
+def threads_hold_the_clock(disk_clock: trio.testing.MockClock) -> trio.abc.Instrument:
+    """:class:`_HoldWhileThreadsRun` on ``disk_clock`` (pytest-trio runs a test with the
+    instruments among its arguments)."""
+    return _HoldWhileThreadsRun(disk_clock)
 
 
 @pytest.fixture

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import threading
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ from tests.helpers import (
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
 from trio_gym.host import checkpoint as checkpoint_module
-from trio_gym.host.export import write_records
+from trio_gym.host.export import stage_manifest, write_records
 from trio_gym.protocol.export import MANIFEST, read_export
 from trio_gym.runners import ExampleContext, ExampleRunner
 from trio_gym.trainer import RolloutClient, RolloutError
@@ -102,6 +100,7 @@ async def test_time_parked_is_not_charged_to_the_deadline(autojump_clock: trio.a
 
 async def test_a_lease_that_expires_resumes_the_host_by_itself(
     disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("e", think_s=10)])
@@ -122,7 +121,7 @@ async def test_a_lease_that_expires_resumes_the_host_by_itself(
 
 
 async def test_ids_conflict_go_stale_and_completed_calls_replay(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("e", think_s=10)])
@@ -143,7 +142,9 @@ async def test_ids_conflict_go_stale_and_completed_calls_replay(
         assert stale.value.code == "stale_checkpoint"
 
 
-async def test_the_control_plane_needs_its_token(disk_clock: trio.abc.Clock) -> None:
+async def test_the_control_plane_needs_its_token(
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument
+) -> None:
     async with rig() as r:
         wrong = HostControl("http://host:1", "guess", opener=r.control._opener, wall_time=wall)
         with pytest.raises(ControlError) as refused:
@@ -152,7 +153,7 @@ async def test_the_control_plane_needs_its_token(disk_clock: trio.abc.Clock) -> 
 
 
 async def test_commit_exports_digested_records_and_a_manifest(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with rig() as r:
         r.stream_in_background(
@@ -174,35 +175,60 @@ async def test_commit_exports_digested_records_and_a_manifest(
 
 
 async def test_the_host_runs_on_while_an_export_file_is_written(
-    disk_clock: trio.abc.Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The first file's write blocks until a trio task releases it: written on the trio thread,
-    # no task could run, and the write gives up.
-    started, released = threading.Event(), threading.Event()
+    # Each file's write asks the trio thread to answer meanwhile (trio.from_thread), which only
+    # a worker thread can do, and only while the trio thread runs on.
+    answered: list[float] = []
 
-    def write_when_released(*args: Any) -> Any:
-        started.set()
-        if not released.wait(timeout=10):
-            raise AssertionError("the export was written on the trio thread: nothing else ran")
+    def write_while_trio_answers(*args: Any) -> Any:
+        answered.append(trio.from_thread.run_sync(trio.current_time))
         return write_records(*args)
 
-    monkeypatch.setattr(checkpoint_module, "write_records", write_when_released)
+    monkeypatch.setattr(checkpoint_module, "write_records", write_while_trio_answers)
     async with rig() as r:
         r.stream_in_background("batch", [episode("a", think_s=10)])
         await trio.sleep(12)
         await r.control.prepare("c1", timeout_s=30)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(
-                partial(r.control.commit, "c1", str(tmp_path / "export"), timeout_s=30)
-            )
-            await trio.to_thread.run_sync(started.wait)
-            released.set()
+        await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
         await r.control.resume("c1", timeout_s=5)
     assert read_export(tmp_path / "export").records[("host", "episodes")]
+    assert len(answered) == 2  # the host's episodes and the calendar's store
+
+
+async def test_a_resume_while_the_manifest_is_staged_means_it_is_never_published(
+    disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The trainer gives up on the checkpoint (resume is also the abort) while the manifest's
+    # bytes are fsynced in a worker thread: the parked episodes run on, so the export must not
+    # appear, or a restore would run them twice.
+    async with rig() as r:
+
+        def stage_during_a_resume(staged: Path, manifest: Any) -> None:
+            stage_manifest(staged, manifest)
+            trio.from_thread.run_sync(r.host.services.checkpoints.resume, "c1")
+
+        monkeypatch.setattr(checkpoint_module, "stage_manifest", stage_during_a_resume)
+        r.stream_in_background("batch", [episode("a", think_s=10)])
+        await trio.sleep(12)
+        await r.control.prepare("c1", timeout_s=30)
+        with pytest.raises(ControlError) as stale:
+            await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
+        assert stale.value.code == "stale_checkpoint"
+        assert not (tmp_path / "export" / MANIFEST).exists()
+        assert not list((tmp_path / "export").glob(f".{MANIFEST}.*"))  # nothing staged left
+        rows = await r.finish("batch")
+    assert len(rows) == 1  # the parked episode ran on to its end
 
 
 async def test_a_tampered_or_unpublished_export_is_refused_and_changes_nothing(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("a", think_s=10)])
@@ -228,7 +254,7 @@ async def test_a_tampered_or_unpublished_export_is_refused_and_changes_nothing(
 
 
 async def test_restore_continues_each_episode_once_as_the_next_attempt(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     example = episode("cal", think_s=10, meetings=5)
     async with rig() as a:
@@ -260,6 +286,7 @@ async def test_restore_continues_each_episode_once_as_the_next_attempt(
 
 async def test_admission_closed_refuses_new_work_but_costs_nothing(
     disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
 ) -> None:
     async with rig() as r:
         r.stream_in_background("running", [episode("old", think_s=10)])
@@ -285,6 +312,7 @@ async def test_admission_closed_refuses_new_work_but_costs_nothing(
 
 async def test_retire_is_refused_during_a_checkpoint_and_stale_until_forget(
     disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("x", think_s=100)])
@@ -308,7 +336,7 @@ async def test_retire_is_refused_during_a_checkpoint_and_stale_until_forget(
 
 
 async def test_a_restore_with_the_wrong_participants_changes_nothing(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("a", think_s=10)])
@@ -329,7 +357,7 @@ async def test_a_restore_with_the_wrong_participants_changes_nothing(
 
 
 async def test_episodes_that_cannot_be_captured_are_restarts_never_waited_for_or_exported(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     runner = CountingRunner(ScriptedRunner())  # reports no boundaries: an opaque agent
     host = Host(ServeConfig(port=0, control_token=TOKEN), runner=runner, wall_time=wall)

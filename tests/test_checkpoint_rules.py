@@ -74,6 +74,7 @@ async def raw_post(opener: Any, path: str, body: dict[str, Any], token: str | No
 
 async def test_every_operation_needs_the_token_and_the_plane_is_off_without_one(
     disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
 ) -> None:
     body = {"checkpoint_id": "c1", "deadline": wall() + 10}
     async with rig() as r:
@@ -93,7 +94,9 @@ async def test_every_operation_needs_the_token_and_the_plane_is_off_without_one(
     assert host.services.episodes.admission_open
 
 
-async def test_a_lease_longer_than_an_hour_is_refused(disk_clock: trio.abc.Clock) -> None:
+async def test_a_lease_longer_than_an_hour_is_refused(
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument
+) -> None:
     async with rig() as r:
         with pytest.raises(ControlError) as refused:
             await r.control.prepare("c1", timeout_s=10, lease_s=3601)
@@ -112,7 +115,9 @@ def test_control_errors_keep_their_class_across_processes() -> None:
 # --- ids and ordering -----------------------------------------------------------------------
 
 
-async def test_a_resumed_id_is_stale_before_any_other_rule(disk_clock: trio.abc.Clock) -> None:
+async def test_a_resumed_id_is_stale_before_any_other_rule(
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument
+) -> None:
     async with rig() as r:
         await r.control.prepare("c1", timeout_s=5)
         await r.control.resume("c1", timeout_s=5)
@@ -133,7 +138,7 @@ async def test_a_resumed_id_is_stale_before_any_other_rule(disk_clock: trio.abc.
 
 
 async def test_concurrent_commits_of_one_checkpoint_write_one_export(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("a", think_s=10)])
@@ -162,7 +167,7 @@ async def test_concurrent_commits_of_one_checkpoint_write_one_export(
 
 
 async def test_a_manifest_is_never_replaced_by_another_checkpoint(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with rig() as r:
         r.stream_in_background("batch", [episode("a", think_s=10)])
@@ -188,7 +193,7 @@ async def test_a_manifest_is_never_replaced_by_another_checkpoint(
 
 
 async def test_commit_and_restore_honour_a_capture_key_scope(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with rig() as a:
         a.stream_in_background("batch", [episode(rid, think_s=10) for rid in ("a", "b", "c")])
@@ -234,7 +239,11 @@ async def test_commit_and_restore_honour_a_capture_key_scope(
     ids=["record-count", "path-escape", "dot-dot-kind", "no-digest", "no-topology", "repeated"],
 )
 async def test_a_malformed_manifest_is_refused_and_changes_nothing(
-    disk_clock: trio.abc.Clock, tmp_path: Path, change: Any, fragment: str
+    disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
+    tmp_path: Path,
+    change: Any,
+    fragment: str,
 ) -> None:
     directory = await exported(tmp_path, "a")
     rewrite_manifest(directory, change)
@@ -249,7 +258,7 @@ async def test_a_malformed_manifest_is_refused_and_changes_nothing(
 
 
 async def test_a_malformed_host_record_is_refused_even_with_a_matching_digest(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     directory = await exported(tmp_path, "a")
     rewrite_records(
@@ -264,7 +273,7 @@ async def test_a_malformed_host_record_is_refused_even_with_a_matching_digest(
 
 
 async def test_a_participant_holding_other_episodes_is_refused(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     directory = await exported(tmp_path, "a", "b")
     manifest = json.loads((directory / MANIFEST).read_text())
@@ -286,7 +295,7 @@ async def test_a_participant_holding_other_episodes_is_refused(
 
 
 async def test_a_second_restore_is_refused_and_changes_nothing(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     directory = await exported(tmp_path, "a", "b")
     async with rig() as r:
@@ -311,7 +320,9 @@ async def test_a_second_restore_is_refused_and_changes_nothing(
 # --- admission and restored episodes -------------------------------------------------------------
 
 
-async def test_one_capture_key_cannot_run_twice_at_once(disk_clock: trio.abc.Clock) -> None:
+async def test_one_capture_key_cannot_run_twice_at_once(
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument
+) -> None:
     async with rig() as r:
         r.stream_in_background("first", [episode("dup", think_s=10)])
         await trio.sleep(1)
@@ -323,7 +334,7 @@ async def test_one_capture_key_cannot_run_twice_at_once(disk_clock: trio.abc.Clo
 
 
 async def test_a_restored_episode_survives_a_refused_batch(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     directory = await exported(tmp_path, "a")
     again = episode("a", think_s=10, meetings=4, _ng_attempt_index=1)
@@ -338,7 +349,9 @@ async def test_a_restored_episode_survives_a_refused_batch(
     assert len(r.runner.started) == 1  # the refused batch started nothing
 
 
-async def test_the_deadline_runs_on_after_a_resume(disk_clock: trio.abc.Clock) -> None:
+async def test_the_deadline_runs_on_after_a_resume(
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument
+) -> None:
     async with rig(rollout_deadline_s=100) as r:
         # Five steps of 30 s in a 100 s deadline: parked at 60 s with 40 s left, resumed at
         # 300 s, so the deadline falls at 340 s, mid-way through the fourth step.
@@ -355,7 +368,7 @@ async def test_the_deadline_runs_on_after_a_resume(disk_clock: trio.abc.Clock) -
 
 
 async def test_retire_frees_a_restored_episode_and_its_records(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     directory = await exported(tmp_path, "a", "b")
     async with rig() as r:
@@ -373,6 +386,7 @@ async def test_retire_frees_a_restored_episode_and_its_records(
 
 async def test_retire_and_forget_replay_or_conflict_by_their_arguments(
     disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
 ) -> None:
     async with rig() as r:
         first = wire(await r.control.retire("t1", [("x", 0)], timeout_s=5))
@@ -394,7 +408,9 @@ async def test_retire_and_forget_replay_or_conflict_by_their_arguments(
     assert status["counts"]["retired"] == 0  # y was never retired
 
 
-async def test_an_unreachable_host_is_a_control_timeout(disk_clock: trio.abc.Clock) -> None:
+async def test_an_unreachable_host_is_a_control_timeout(
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument
+) -> None:
     async def refuse(endpoint: Any) -> Any:
         raise OSError("connection refused")
 

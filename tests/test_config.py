@@ -320,9 +320,21 @@ def test_every_field_has_its_own_variable_and_every_flag_sets_its_field() -> Non
 
 
 def test_every_setting_a_caller_shares_with_the_host_reaches_its_environment() -> None:
-    shared = set(CallerConfig.model_fields) & set(ServeConfig.model_fields)
-    assert shared <= set(BOOTSTRAPPED_FIELDS)
-    caller = CallerConfig(environment_path="/env", gym_global_config={"policy_model_name": "m"})
+    # A value unlike its default for each field both configs have: a new shared field fails
+    # here until it is listed (and carried).
+    values = {
+        "job_id": "job-3",
+        "environment_path": "/env",
+        "work_path": "/w",
+        "max_request_bytes": 1001,
+        "max_response_bytes": 1002,
+        "rollout_deadline_s": 12.5,
+        "environment_offline": True,
+        "gym_global_config": {"policy_model_name": "m"},
+    }
+    assert set(CallerConfig.model_fields) & set(ServeConfig.model_fields) == set(values)
+    assert set(values) <= set(BOOTSTRAPPED_FIELDS)
+    caller = CallerConfig(**values)  # type: ignore[arg-type]
     served = load_serve_config(environ=caller.bootstrap_environment())
-    for name in shared:
-        assert getattr(served, name) == getattr(caller, name), name
+    for name, value in values.items():
+        assert getattr(served, name) == value, name

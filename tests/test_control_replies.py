@@ -88,7 +88,7 @@ async def test_a_status_reply_that_does_not_fit_aborts_a_take_over(
 
 
 async def test_a_restore_reply_that_does_not_fit_is_undone_on_every_host(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with fleet(controls=TAMPERABLE) as f, trio.open_nursery() as nursery:
         nursery.start_soon(f.dispatcher.run_group, "g", [calendar(1), calendar(2)])  # a, b

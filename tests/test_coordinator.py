@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
-import threading
 from collections import Counter
 from functools import partial
 from pathlib import Path
@@ -61,7 +60,7 @@ def keyed(consumed: list[Any]) -> Counter[tuple[str, int]]:
 
 
 async def test_a_checkpoint_exports_parked_episodes_drains_the_rest_and_resumes(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     manifest, consumed = await checkpoint_mid_flight(tmp_path)
     assert load_manifest(tmp_path / "c1") == manifest
@@ -94,28 +93,27 @@ async def test_a_checkpoint_exports_parked_episodes_drains_the_rest_and_resumes(
 
 
 async def test_the_trainer_runs_on_while_its_manifest_is_written(
-    disk_clock: trio.abc.Clock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The manifest's write blocks until a trio task releases it: written on the trio thread
-    # (under the ledger's lock), no task could run, and the write gives up.
-    started, released = threading.Event(), threading.Event()
+    # The manifest's write asks the trio thread to answer meanwhile (trio.from_thread), which
+    # only a worker thread can do, and only while the trio thread runs on (the ledger locked).
+    answered: list[float] = []
 
-    def write_when_released(*args: Any) -> Path:
-        started.set()
-        if not released.wait(timeout=10):
-            raise AssertionError("the manifest was written on the trio thread: nothing else ran")
+    def write_while_trio_answers(*args: Any) -> Path:
+        answered.append(trio.from_thread.run_sync(trio.current_time))
         return write_manifest(*args)
 
-    monkeypatch.setattr(coordinator_module, "write_manifest", write_when_released)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(checkpoint_mid_flight, tmp_path)
-        await trio.to_thread.run_sync(started.wait)
-        released.set()
+    monkeypatch.setattr(coordinator_module, "write_manifest", write_while_trio_answers)
+    await checkpoint_mid_flight(tmp_path)
+    assert len(answered) == 1
     assert load_manifest(tmp_path / "c1").hosts  # written whole once released
 
 
 async def test_restore_dispatches_each_exported_episode_once_as_the_next_attempt_on_its_host(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     manifest, _ = await checkpoint_mid_flight(tmp_path)
     exported = {key: host.instance for host in manifest.hosts for key in host.episodes}
@@ -139,7 +137,7 @@ async def test_restore_dispatches_each_exported_episode_once_as_the_next_attempt
 
 
 async def test_a_checkpoint_moved_elsewhere_restores_from_where_it_is_now(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     manifest, _ = await checkpoint_mid_flight(tmp_path)
     exported = {key for host in manifest.hosts for key in host.episodes}
@@ -158,7 +156,10 @@ async def test_a_checkpoint_moved_elsewhere_restores_from_where_it_is_now(
 
 @pytest.mark.parametrize("where", ["absolute", "escaping"])
 async def test_a_manifest_pointing_outside_its_checkpoint_is_refused_before_any_host_changes(
-    disk_clock: trio.abc.Clock, tmp_path: Path, where: str
+    disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
+    tmp_path: Path,
+    where: str,
 ) -> None:
     await checkpoint_mid_flight(tmp_path)
     path = tmp_path / "c1" / "gym_checkpoint.json"
@@ -188,6 +189,7 @@ async def test_a_manifest_pointing_outside_its_checkpoint_is_refused_before_any_
 )
 async def test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing(
     disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
     tmp_path: Path,
     successors: dict[str, str] | None,
     refusal: str,
@@ -201,7 +203,7 @@ async def test_a_restore_that_does_not_fit_the_live_hosts_changes_nothing(
 
 
 async def test_a_host_that_left_has_its_episodes_restored_on_its_named_successor(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     manifest, _ = await checkpoint_mid_flight(tmp_path)
     exported = {key: host.instance for host in manifest.hosts for key in host.episodes}
@@ -224,7 +226,7 @@ async def test_a_host_that_left_has_its_episodes_restored_on_its_named_successor
 
 
 async def test_a_tampered_export_is_refused_before_any_host_changes(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     manifest, _ = await checkpoint_mid_flight(tmp_path)
     host = manifest.hosts[0]
@@ -238,7 +240,7 @@ async def test_a_tampered_export_is_refused_before_any_host_changes(
 
 
 async def test_an_export_swapped_for_another_commit_is_refused(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     manifest, _ = await checkpoint_mid_flight(tmp_path)
     document = json.loads((tmp_path / "c1" / MANIFEST_NAME).read_text())
@@ -256,7 +258,7 @@ class DiesDuringRestore(HostControl):
 
 
 async def test_a_failed_restore_on_one_host_is_undone_on_every_host(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     await checkpoint_mid_flight(tmp_path)
     async with fleet(controls={"b": DiesDuringRestore}) as f:
@@ -272,7 +274,7 @@ async def test_a_failed_restore_on_one_host_is_undone_on_every_host(
 
 
 async def test_an_episode_the_trainer_never_dispatched_aborts_the_checkpoint(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with fleet() as f:
         stranger = f.dispatcher.hosts["a"].client.stream(
@@ -297,7 +299,7 @@ async def test_an_episode_the_trainer_never_dispatched_aborts_the_checkpoint(
 
 
 async def test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_aborted(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     settings = CheckpointSettings(prepare_timeout_s=20, max_consecutive_failures=2)
     async with fleet(checkpoint=settings) as f, trio.open_nursery() as nursery:
@@ -316,7 +318,7 @@ async def test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_abo
 
 
 async def test_an_unavailable_checkpoint_is_retried_and_the_count_resets(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     settings = CheckpointSettings(prepare_timeout_s=20, max_consecutive_failures=2)
     async with fleet(checkpoint=settings) as f, trio.open_nursery() as nursery:
@@ -332,7 +334,7 @@ async def test_an_unavailable_checkpoint_is_retried_and_the_count_resets(
 
 
 async def test_request_deadlines_stand_still_while_a_checkpoint_holds_admission_closed(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     settings = CheckpointSettings(prepare_timeout_s=500)
     client = ClientSettings(request_deadline_s=40)
@@ -386,7 +388,11 @@ class TamperedCommit(HostControl):
     ],
 )
 async def test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint(
-    disk_clock: trio.abc.Clock, tmp_path: Path, tamper: str, message: str
+    disk_clock: trio.abc.Clock,
+    threads_hold_the_clock: trio.abc.Instrument,
+    tmp_path: Path,
+    tamper: str,
+    message: str,
 ) -> None:
     controls = {"b": partial(TamperedCommit, tamper=tamper)}
     async with fleet(controls=controls) as f, trio.open_nursery() as nursery:
@@ -408,7 +414,7 @@ async def test_a_commit_reply_that_does_not_fit_aborts_the_checkpoint(
 
 
 async def test_a_trainer_after_a_crash_never_reuses_the_ids_of_work_a_host_still_runs(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     late = {"late": [calendar(7, think_s=100)]}  # created after the checkpoint, long-running
     async with fleet() as f:
@@ -456,7 +462,7 @@ class _As:
 
 
 async def test_an_episode_given_up_during_the_drain_is_left_out_of_the_manifest(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     scripted = {"b": ScriptedRunner()}  # b's episodes report no boundaries: drained
     async with fleet(runners=scripted) as f, trio.open_nursery() as nursery:
@@ -487,7 +493,7 @@ async def _run_in(scope: trio.CancelScope, f: Any, group_id: str, examples: Any)
 
 
 async def test_a_second_checkpoint_while_one_is_under_way_is_refused(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with fleet() as f, trio.open_nursery() as nursery:
         nursery.start_soon(run_all, f, {"slow": [calendar(1, think_s=50, meetings=1)]})

@@ -160,7 +160,7 @@ async def test_a_sibling_that_keeps_losing_fails_its_group_after_max_losses(
 
 
 async def test_a_dropped_group_is_retired_by_the_next_checkpoint_before_prepare(
-    disk_clock: trio.abc.Clock, tmp_path: Any
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Any
 ) -> None:
     async with fleet(("a",)) as f:
         with trio.move_on_after(3):  # the trainer gives the group up mid-episode
@@ -286,7 +286,7 @@ class StubbornRunner(ExampleRunner):
 
 
 async def test_a_retire_whose_copies_are_still_stopping_stays_queued(
-    disk_clock: trio.abc.Clock, tmp_path: Any
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Any
 ) -> None:
     consumed: list[SealedResult] = []
 
@@ -313,7 +313,7 @@ async def test_a_retire_whose_copies_are_still_stopping_stays_queued(
 
 
 async def test_a_stale_row_is_settled_at_once_so_a_checkpoint_does_not_wait_for_it(
-    disk_clock: trio.abc.Clock, tmp_path: Any
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Any
 ) -> None:
     async with fleet(("a",)) as f:
         await die_while_running(f, [calendar(1, think_s=100)])  # g.0 still runs on a

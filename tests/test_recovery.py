@@ -41,7 +41,7 @@ async def assert_results_are_uninterrupted(f: Fleet) -> None:
 
 
 async def test_a_host_lost_between_checkpoints_is_replaced_and_its_episodes_continue_there(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with fleet(replaceable=True, scheduler=QUICK) as f, trio.open_nursery() as nursery:
         nursery.start_soon(run_all, f, GROUPS)
@@ -62,7 +62,7 @@ async def test_a_host_lost_between_checkpoints_is_replaced_and_its_episodes_cont
 
 
 async def test_without_a_launcher_the_least_loaded_host_left_inherits_the_lost_ones_work(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with fleet(("a", "b", "c"), scheduler=QUICK) as f, trio.open_nursery() as nursery:
         nursery.start_soon(run_all, f, GROUPS)
@@ -94,7 +94,7 @@ async def test_a_host_lost_before_any_checkpoint_has_its_work_run_afresh_on_the_
 
 
 async def test_a_checkpoint_waits_for_a_lost_hosts_heir_within_the_gate_timeout(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     settings = CheckpointSettings(gate_timeout_s=10)
     async with (
@@ -138,7 +138,7 @@ async def test_work_sent_to_a_host_already_dead_follows_it_to_its_replacement(
 
 
 async def test_a_host_a_checkpoint_cannot_reach_is_probed_ejected_and_replaced(
-    disk_clock: trio.abc.Clock, tmp_path: Path
+    disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     """No send goes to b when it dies, but the checkpoint's control call finds it: the
     scheduler probes it, finds it gone and replaces it; the next checkpoint has its heir."""

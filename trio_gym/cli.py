@@ -171,7 +171,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, *, installer_only: bool) 
                 setting.flag, dest=name, action="store_const", const=True, help=text
             )
         elif name in FLAG_VALUES:  # a mapping, one pair per flag
-            metavar = FLAG_VALUES[name].strip()
+            metavar = FLAG_VALUES[name]
             parser.add_argument(
                 setting.flag, dest=name, action="append", metavar=metavar, help=text
             )
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _config(args: argparse.Namespace) -> ServeConfig | None:
     """The serve config from file, environment and this command's flags; None after an error."""
-    names: dict[str, str] = args.flag_table
+    names: dict[str, str] = dict(args.flag_table)
     flags = {name: getattr(args, name) for name in names}
     if flags.get("agents"):
         try:

@@ -71,7 +71,7 @@ class ServeConfig(BaseModel):
     runner: Annotated[str, Setting("NMP_RUNNER", "--runner")] = Field(
         default="example",
         description="'example', 'agents', 'gym', or a user runner as 'package.module:factory' "
-        "(default: 'gym' when gym_global_config is given, else 'example').",
+        "('gym' when gym_global_config is given and no runner is named).",
     )
     heartbeat_interval_s: Annotated[
         PositiveSeconds, Setting("NMP_HEARTBEAT_INTERVAL_S", "--heartbeat-interval")
@@ -289,10 +289,14 @@ class ServeConfig(BaseModel):
         )
 
 
-SETTINGS: Final[dict[str, Setting]] = {
-    name: next(m for m in field.metadata if isinstance(m, Setting))
-    for name, field in ServeConfig.model_fields.items()
-}
+def _setting_of(name: str) -> Setting:
+    settings = [m for m in ServeConfig.model_fields[name].metadata if isinstance(m, Setting)]
+    if len(settings) != 1:
+        raise TypeError(f"ServeConfig.{name} needs one Setting in its annotation")
+    return settings[0]
+
+
+SETTINGS: Final[dict[str, Setting]] = {name: _setting_of(name) for name in ServeConfig.model_fields}
 # The environment variables the host honours, by field; the NMP_ names are the upstream host's.
 ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
     name: setting.variable for name, setting in SETTINGS.items()
@@ -300,7 +304,7 @@ ENVIRONMENT_VARIABLES: Final[dict[str, str]] = {
 
 
 # What a flag whose field is a mapping takes, repeated (``--agent a=URL --agent b=URL``).
-FLAG_VALUES: Final[dict[str, str]] = {"agents": " NAME=URL"}
+FLAG_VALUES: Final[dict[str, str]] = {"agents": "NAME=URL"}
 
 
 def environment_text(value: Any) -> str:
@@ -329,7 +333,8 @@ def settings_table() -> str:
     """The README's settings table, made from the fields (a test holds the README to it)."""
     rows = ["| flag | variable | config key | default | what it sets |", "|---|---|---|---|---|"]
     for name, setting in SETTINGS.items():
-        flag = f"`{setting.flag}{FLAG_VALUES.get(name, '')}`" if setting.flag else ""
+        flag = " ".join(filter(None, (setting.flag, FLAG_VALUES.get(name))))
+        flag = f"`{flag}`" if flag else ""
         description = (ServeConfig.model_fields[name].description or "").replace("|", "\\|")
         rows.append(
             f"| {flag} | `{setting.variable}` | `{name}` | {default_text(name)} | {description} |"
@@ -459,7 +464,11 @@ class CallerConfig(BaseModel):
         """The host's launch environment: the bootstrap variables plus ``host_env``
         (``NMP_GYM_GLOBAL_CONFIG`` only when there is a Gym config: it selects the runner)."""
         values = {
-            **{name: getattr(self, name, None) for name in BOOTSTRAPPED_FIELDS},
+            **{
+                name: getattr(self, name)
+                for name in BOOTSTRAPPED_FIELDS
+                if name != "environment_package_required"
+            },
             "environment_path": self.environment_path or "",
             "environment_package_required": bool(self.environment_path),
         }

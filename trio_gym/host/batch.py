@@ -169,7 +169,8 @@ async def run_examples(
     failed: Callable[[int, ExampleFailed], None] | None = None,
     row_offset: int = 0,
 ) -> None:
-    """Run every admitted episode's example at once, each in its own task of one nursery;
+    """Run every admitted episode's example at once, each in its own task of one nursery (one
+    alone in the caller's task);
     ``finished(index, result, deliveries)`` as each ends. ``row_offset`` is the position of the
     first example in the caller's whole input.
 

@@ -21,6 +21,7 @@ import trio
 
 from trio_gym.changes import Changes
 from trio_gym.errors import ErrorCode, WireError
+from trio_gym.files import fsync_directory
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import (
     HOST_PARTICIPANT,
@@ -46,7 +47,7 @@ from trio_gym.runners.base import StateParticipant
 
 from .checkpoint_phases import CheckpointPhases
 from .episodes import Episodes, LiveEpisode
-from .export import publish_manifest, write_records
+from .export import publish_manifest, stage_manifest, staging_path, write_records
 from .restore import host_record, plan_restore
 
 SAMPLE: Final = 16  # blockers and restarts listed by name in a reply; the count is always whole
@@ -300,7 +301,8 @@ class Checkpoints:
             records.append((*participant.participant, participant.export_records(keys)))
         # Each file is written and fsynced in a worker thread (the heartbeats go on meanwhile);
         # a file once begun is finished (the thread is not abandoned), so the deadline or a
-        # resume takes effect between files.
+        # resume takes effect between files. The manifest is staged there too, and published
+        # here on the trio thread, where no resume can come between the check and the link.
         self._committing.add(checkpoint_id)
         try:
             with trio.move_on_at(self.trio_deadline(deadline)) as export:
@@ -312,9 +314,17 @@ class Checkpoints:
                             write_records, directory, server_name, kind, rows
                         )
                     )
-                if self.checkpoint_id == checkpoint_id:  # a resume meanwhile: never publish
-                    manifest = _manifest(checkpoint_id, exports, episodes)
-                    path = await trio.to_thread.run_sync(publish_manifest, directory, manifest)
+                manifest = _manifest(checkpoint_id, exports, episodes)
+                staged = staging_path(directory)  # named here: removed however the call ends
+                try:
+                    await trio.to_thread.run_sync(stage_manifest, staged, manifest)
+                    if self.checkpoint_id == checkpoint_id and not export.cancel_called:
+                        path = publish_manifest(directory, staged)
+                finally:
+                    staged.unlink(missing_ok=True)
+                # A resume while this runs finds the export published, as one after any commit
+                # would: harmless, for a trainer writes no manifest of an aborted checkpoint.
+                await trio.to_thread.run_sync(fsync_directory, directory)
         finally:
             self._export = None
             self._committing.discard(checkpoint_id)
