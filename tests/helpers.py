@@ -219,3 +219,17 @@ def in_memory(nursery: trio.Nursery, host: Host) -> Any:
 def wire(reply: pydantic.BaseModel) -> Any:
     """A control reply as the JSON document it travelled as (what these tests read)."""
     return reply.model_dump(mode="json")
+
+
+@attrs.define
+class WrittenFromAWorker:
+    """A file-writing function wrapped to ask the trio thread for its time before it writes
+    (``trio.from_thread``): only a worker thread can ask, and only a trio thread that runs on
+    answers. ``answered`` holds a time per write."""
+
+    write: Callable[..., Any]
+    answered: list[float] = attrs.field(factory=list)
+
+    def __call__(self, *args: Any) -> Any:
+        self.answered.append(trio.from_thread.run_sync(trio.current_time))
+        return self.write(*args)

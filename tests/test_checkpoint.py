@@ -14,6 +14,7 @@ from tests.helpers import (
     URL,
     CountingRunner,
     ScriptedRunner,
+    WrittenFromAWorker,
     exchange,
     in_memory,
     request_bytes,
@@ -180,15 +181,8 @@ async def test_the_host_runs_on_while_an_export_file_is_written(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # Each file's write asks the trio thread to answer meanwhile (trio.from_thread), which only
-    # a worker thread can do, and only while the trio thread runs on.
-    answered: list[float] = []
-
-    def write_while_trio_answers(*args: Any) -> Any:
-        answered.append(trio.from_thread.run_sync(trio.current_time))
-        return write_records(*args)
-
-    monkeypatch.setattr(checkpoint_module, "write_records", write_while_trio_answers)
+    written = WrittenFromAWorker(write_records)
+    monkeypatch.setattr(checkpoint_module, "write_records", written)
     async with rig() as r:
         r.stream_in_background("batch", [episode("a", think_s=10)])
         await trio.sleep(12)
@@ -196,7 +190,7 @@ async def test_the_host_runs_on_while_an_export_file_is_written(
         await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
         await r.control.resume("c1", timeout_s=5)
     assert read_export(tmp_path / "export").records[("host", "episodes")]
-    assert len(answered) == 2  # the host's episodes and the calendar's store
+    assert len(written.answered) == 2  # the host's episodes and the calendar's store
 
 
 async def test_a_resume_while_the_manifest_is_staged_means_it_is_never_published(

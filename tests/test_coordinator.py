@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from tests.fleet import calendar, crash, fleet, restart, uninterrupted
-from tests.helpers import ScriptedRunner
+from tests.helpers import ScriptedRunner, WrittenFromAWorker
 from trio_gym.trainer import ClientSettings
 from trio_gym.trainer import coordinator as coordinator_module
 from trio_gym.trainer.control import ControlTimeout, HostControl
@@ -98,18 +98,11 @@ async def test_the_trainer_runs_on_while_its_manifest_is_written(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # The manifest's write asks the trio thread to answer meanwhile (trio.from_thread), which
-    # only a worker thread can do, and only while the trio thread runs on (the ledger locked).
-    answered: list[float] = []
-
-    def write_while_trio_answers(*args: Any) -> Path:
-        answered.append(trio.from_thread.run_sync(trio.current_time))
-        return write_manifest(*args)
-
-    monkeypatch.setattr(coordinator_module, "write_manifest", write_while_trio_answers)
+    written = WrittenFromAWorker(write_manifest)  # while the ledger is locked
+    monkeypatch.setattr(coordinator_module, "write_manifest", written)
     await checkpoint_mid_flight(tmp_path)
-    assert len(answered) == 1
-    assert load_manifest(tmp_path / "c1").hosts  # written whole once released
+    assert len(written.answered) == 1
+    assert load_manifest(tmp_path / "c1").hosts
 
 
 async def test_restore_dispatches_each_exported_episode_once_as_the_next_attempt_on_its_host(
