@@ -2898,6 +2898,15 @@ MUTATIONS = [
             "test_a_checkpoint_exports_parked_episodes_drains_the_rest_and_resumes",
         ),
     ),
+    Mutation(
+        "#25 every valued flag parsed as text, whatever its field's type",
+        "trio_gym/cli.py",
+        "parser.add_argument(setting.flag, dest=name, type=kind, help=text)",
+        "parser.add_argument(setting.flag, dest=name, type=str, help=text)",
+        (
+            "tests/test_config.py::test_every_field_has_its_own_variable_and_every_flag_sets_its_field",
+        ),
+    ),
 ]
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import attrs
 import trio
 
-from tests.helpers import URL, CountingRunner, in_memory
+from tests.helpers import URL, CountingRunner, in_memory, wire
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host
 from trio_gym.runners import ExampleRunner
@@ -51,6 +52,16 @@ class Rig:
                 done.set()
 
         self.nursery.start_soon(consume)
+
+    async def export_one_parked(self, directory: Path) -> Any:
+        """Park one episode mid-way ("a", a step every 10 s, prepared at 12 s), commit checkpoint
+        ``c1`` to ``directory`` and resume; the commit's reply as plain data."""
+        self.stream_in_background("batch", [episode("a", think_s=10)])
+        await trio.sleep(12)
+        await self.control.prepare("c1", timeout_s=30)
+        reply = await self.control.commit("c1", str(directory), timeout_s=30)
+        await self.control.resume("c1", timeout_s=5)
+        return wire(reply)
 
     async def finish(self, name: str) -> list[Any]:
         with trio.fail_after(100_000):  # virtual seconds: a guard only

@@ -184,11 +184,7 @@ async def test_the_host_runs_on_while_an_export_file_is_written(
     written = WrittenFromAWorker(write_records)
     monkeypatch.setattr(checkpoint_module, "write_records", written)
     async with rig() as r:
-        r.stream_in_background("batch", [episode("a", think_s=10)])
-        await trio.sleep(12)
-        await r.control.prepare("c1", timeout_s=30)
-        await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
-        await r.control.resume("c1", timeout_s=5)
+        await r.export_one_parked(tmp_path / "export")
     assert read_export(tmp_path / "export").records[("host", "episodes")]
     assert len(written.answered) == 2  # the host's episodes and the calendar's store
 
@@ -225,11 +221,7 @@ async def test_a_tampered_or_unpublished_export_is_refused_and_changes_nothing(
     disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with rig() as r:
-        r.stream_in_background("batch", [episode("a", think_s=10)])
-        await trio.sleep(12)
-        await r.control.prepare("c1", timeout_s=30)
-        reply = wire(await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30))
-        await r.control.resume("c1", timeout_s=5)
+        reply = await r.export_one_parked(tmp_path / "export")
     store = next(p for p in reply["participants"] if p["kind"] == "side_effect_store")
     records = Path(store["state_directory"]) / store["records_file"]
     records.write_bytes(records.read_bytes().replace(b'"events"', b'"evenst"'))
@@ -333,11 +325,7 @@ async def test_a_restore_with_the_wrong_participants_changes_nothing(
     disk_clock: trio.abc.Clock, threads_hold_the_clock: trio.abc.Instrument, tmp_path: Path
 ) -> None:
     async with rig() as r:
-        r.stream_in_background("batch", [episode("a", think_s=10)])
-        await trio.sleep(12)
-        await r.control.prepare("c1", timeout_s=30)
-        await r.control.commit("c1", str(tmp_path / "export"), timeout_s=30)
-        await r.control.resume("c1", timeout_s=5)
+        await r.export_one_parked(tmp_path / "export")
     manifest = json.loads((tmp_path / "export" / MANIFEST).read_text())
     manifest["participants"] = [p for p in manifest["participants"] if p["kind"] == "episodes"]
     (tmp_path / "export" / MANIFEST).write_text(json.dumps(manifest))  # the store left out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -304,16 +305,21 @@ def test_the_readmes_settings_table_is_made_from_the_fields() -> None:
 
 def test_every_field_has_its_own_variable_and_every_flag_sets_its_field() -> None:
     assert len(set(ENVIRONMENT_VARIABLES.values())) == len(ServeConfig.model_fields)
-    values = {"int": "7", "float": "2.5", "str": "x"}
+    # What each kind of flag is given, and the value it must set (of the field's own type).
+    given_and_set: dict[Any, tuple[list[str], Any]] = {
+        int: (["7"], 7),
+        float: (["2.5"], 2.5),
+        str: (["x"], "x"),
+        bool: ([], True),
+        dict[str, str]: (["a=http://h:1"], ["a=http://h:1"]),  # pairs, parsed by _config
+    }
     for name, setting in SETTINGS.items():
         if not setting.flag:
             continue
-        annotation = ServeConfig.model_fields[name].annotation
-        given = [setting.flag] if annotation is bool else [setting.flag, "a=http://h:1"]
-        if annotation in (int, float, str):
-            given = [setting.flag, values[annotation.__name__]]
-        args = _parser().parse_args(["serve", *given])
-        assert getattr(args, name) not in (None, False), setting.flag
+        given, expected = given_and_set[ServeConfig.model_fields[name].annotation]
+        args = _parser().parse_args(["serve", setting.flag, *given])
+        value = getattr(args, name)
+        assert (type(value), value) == (type(expected), expected), setting.flag
         assert args.flag_table[name] == setting.flag
         install = _parser().parse_args(["install"])
         assert (name in install.flag_table) is setting.installer, setting.flag
