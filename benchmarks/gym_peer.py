@@ -42,7 +42,8 @@ Figures, per collector and scenario, medians over the runs:
   ``trio-gym run``'s progress line on stderr says so (polled likewise);
 - CPU ms per row: utime+stime (+ reaped children's) of the collecting processes, from
   ``/proc/PID/stat`` sampled every 20 ms, between those same two moments (start-up excluded):
-  Gym: ``ng_collect_rollouts`` and any descendants; trio_gym: the host + the client;
+  Gym: ``ng_collect_rollouts`` and any descendants; trio_gym: the host + the client, and each
+  of the two on its own;
 - peak RSS: the sum of the collecting processes' ``VmHWM`` (``/proc/PID/status``, sampled; the
   client's also from ``wait4``'s ru_maxrss), in MiB and in KiB per row in flight;
 - rows with a reward: lines of the collector's output carrying a reward; the rest are named;
@@ -244,6 +245,7 @@ class Tracker:
         self.descendants: dict[int, float] = {}  # dropped once gone: reaped into cutime
         self.hwm: dict[int, int] = {}
         self.samples: list[tuple[float, float]] = []
+        self.root_samples: list[dict[int, float]] = []  # beside each sample: each root's own
         self._scanned = 0.0
 
     def add(self, pid: int) -> None:
@@ -266,15 +268,21 @@ class Tracker:
                 if peak is not None:
                     self.hwm[pid] = max(self.hwm.get(pid, 0), peak)
         self.samples.append((now, sum(self.roots.values()) + sum(self.descendants.values())))
+        self.root_samples.append(dict(self.roots))
 
-    def cpu_at(self, t: float) -> float:
+    def cpu_at(self, t: float, root: int | None = None) -> float:
+        """CPU seconds at ``t``, interpolated: all, or one root's own (without descendants)."""
         times = [s[0] for s in self.samples]
+        cpus = [
+            c if root is None else r.get(root, 0.0)
+            for (_, c), r in zip(self.samples, self.root_samples, strict=True)
+        ]
         i = bisect.bisect_left(times, t)
         if i <= 0:
-            return self.samples[0][1]
-        if i >= len(self.samples):
-            return self.samples[-1][1]
-        (t0, c0), (t1, c1) = self.samples[i - 1], self.samples[i]
+            return cpus[0]
+        if i >= len(cpus):
+            return cpus[-1]
+        t0, t1, c0, c1 = times[i - 1], times[i], cpus[i - 1], cpus[i]
         return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c1
 
     def note_peak(self, pid: int, peak: int) -> None:
@@ -624,6 +632,16 @@ class Bench:
             "rows_per_s": good / elapsed if elapsed > 0 else None,
             "cpu_s": cpu,
             "cpu_ms_per_row": 1000 * cpu / count,
+            **(
+                {}
+                if host is None
+                else {
+                    f"cpu_ms_per_row_{name}": 1000
+                    * (tracker.cpu_at(end, pid) - tracker.cpu_at(first, pid))
+                    / count
+                    for name, pid in (("host", host.pid), ("client", collector.pid))
+                }
+            ),
             "cpu_total_s": tracker.samples[-1][1] if tracker.samples else None,
             "deployment_cpu_ms_per_row": 1000
             * (deployment.cpu_at(end) - deployment.cpu_at(first))
@@ -749,6 +767,8 @@ ROWS: list[tuple[str, str, str, str]] = [
     # (section, figure, label, format)
     ("collect", "rows_per_s", "rows/s (first model call → last row in hand)", "{:.1f}"),
     ("collect", "cpu_ms_per_row", "CPU ms per row (collecting processes)", "{:.2f}"),
+    ("collect", "cpu_ms_per_row_host", "… of which the trio_gym host", "{:.2f}"),
+    ("collect", "cpu_ms_per_row_client", "… of which `trio-gym run`", "{:.2f}"),
     ("collect", "peak_rss_mib", "peak RSS (MiB, collecting processes)", "{:.0f}"),
     ("collect", "peak_rss_kib_per_row_in_flight", "peak RSS KiB per row in flight", "{:.1f}"),
     (

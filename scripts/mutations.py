@@ -2595,8 +2595,8 @@ MUTATIONS = [
     Mutation(
         "finished answers kept past their retention (#24)",
         "trio_gym/host/reattach.py",
-        "            if not (age >= self.retention_s or kept > self.retention_bytes):",
-        "            if not (False or kept > self.retention_bytes):",
+        "            if age < self.retention_s and self._finished_bytes <= self.retention_bytes:",
+        "            if self._finished_bytes <= self.retention_bytes:",
         (
             "tests/test_reattach.py::test_a_finished_answer_is_handed_out_again_until_its_retention_then_refused",
         ),
@@ -2604,9 +2604,25 @@ MUTATIONS = [
     Mutation(
         "finished answers kept beyond the bytes bound (#24)",
         "trio_gym/host/reattach.py",
-        "            if not (age >= self.retention_s or kept > self.retention_bytes):",
-        "            if not (age >= self.retention_s or False):",
+        "            if age < self.retention_s and self._finished_bytes <= self.retention_bytes:",
+        "            if age < self.retention_s:",
         ("tests/test_reattach.py::test_finished_answers_beyond_the_bytes_kept_go_oldest_first",),
+    ),
+    Mutation(
+        "the bytes of the finished answers kept are not counted (#25)",
+        "trio_gym/host/reattach.py",
+        "            self._finished_bytes += batch.log.size",
+        "            self._finished_bytes += 0",
+        ("tests/test_reattach.py::test_finished_answers_beyond_the_bytes_kept_go_oldest_first",),
+    ),
+    Mutation(
+        "the bytes bound drops an answer within its grace (#25)",
+        "trio_gym/host/reattach.py",
+        "            if age < min(self.grace_s, self.retention_s):\n                break",
+        "            if age < 0:\n                break",
+        (
+            "tests/test_reattach.py::test_an_answer_whose_caller_may_come_back_is_kept_over_the_bytes_bound",
+        ),
     ),
     Mutation(
         "a key whose answer was dropped runs its batch again (#24)",

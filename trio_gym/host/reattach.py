@@ -135,6 +135,8 @@ class KeyedBatches:
         self.grace_s, self.retention_s, self.retention_bytes = grace_s, retention_s, retention_bytes
         self._batches: dict[str, KeyedBatch] = {}
         self._finished: collections.OrderedDict[str, KeyedBatch] = collections.OrderedDict()
+        """Oldest first: in the order they finished."""
+        self._finished_bytes = 0
         self._expired: collections.OrderedDict[str, str] = collections.OrderedDict()
         """Key -> why its answer is not kept."""
         self._nursery: trio.Nursery | None = None
@@ -220,6 +222,7 @@ class KeyedBatches:
         if batch.log.ended:
             batch.finished_at = trio.current_time()
             self._finished[batch.key] = batch
+            self._finished_bytes += batch.log.size
             self._forget_old()
 
     def _refused(self, batch: KeyedBatch, refusal: WireError) -> None:
@@ -288,18 +291,24 @@ class KeyedBatches:
         may be coming back for it), and one a caller is still being sent stays until it is sent:
         the bytes bound is on the answers no caller can still be reading or returning for."""
         now = trio.current_time()
-        kept = sum(batch.log.size for batch in self._finished.values())
-        for key, batch in list(self._finished.items()):
+        # Oldest first, so the sweep stops at the first answer too young to go: every later
+        # one is younger still (and the bytes kept only fall), which keeps a call's cost to
+        # what it drops, not to all that is kept.
+        dropped = []
+        for batch in self._finished.values():
             age = now - (batch.finished_at or now)
-            if batch.callers or age < min(self.grace_s, self.retention_s):
-                continue
-            if not (age >= self.retention_s or kept > self.retention_bytes):
-                continue
-            kept -= batch.log.size
-            del self._finished[key]
-            del self._batches[key]
+            if age < min(self.grace_s, self.retention_s):
+                break
+            if age < self.retention_s and self._finished_bytes <= self.retention_bytes:
+                break
+            if not batch.callers:
+                dropped.append(batch)
+                self._finished_bytes -= batch.log.size
+        for batch in dropped:
+            del self._finished[batch.key]
+            del self._batches[batch.key]
             self._expire(
-                key,
+                batch.key,
                 f"its answer is no longer kept (answers are kept {self.retention_s:g} s, within "
                 f"{self.retention_bytes} bytes: answer_retention_s, answer_retention_bytes)",
             )
