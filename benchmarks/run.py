@@ -7,7 +7,9 @@
 Each workload starts a fresh server process pinned to CPU 0 (``taskset``); load generators run
 pinned to CPU 1. Servers: ``trio_gym`` (this project), ``threaded`` (the stdlib design it
 replaces) and ``uvicorn`` (uvloop + httptools); with h11-mypyc installed, ``trio_gym`` speaks it
-and ``trio_gym_h11`` is the same host on pure h11. Every figure is a median over the runs.
+and ``trio_gym_h11`` is the same host on pure h11; ``trio_gym_scraped`` is the host with
+``benchmarks/scraper.py`` reading its ``/metrics`` every second meanwhile (on CPU 1, beside the
+load). Every figure is a median over the runs.
 """
 
 from __future__ import annotations
@@ -31,13 +33,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVERS = ("trio_gym", "trio_gym_h11", "threaded", "uvicorn")
+SERVERS = ("trio_gym", "trio_gym_scraped", "trio_gym_h11", "threaded", "uvicorn")
 # trio_gym_h11: the same host kept on pure h11 while h11-mypyc (the ``fast`` extra) is installed,
 # so the accelerator's effect is a ratio within one run.
 PURE_H11 = (
     "import runpy, sys; sys.modules['h11_mypyc'] = None; "
     "runpy.run_module('trio_gym', run_name='__main__', alter_sys=True)"
 )
+# trio_gym_scraped: the same host with a scraper reading /metrics every SCRAPE_S (issue 26: what
+# being watched costs, as a ratio within one run).
+SCRAPE_S = 1.0
 # The stack's floor (benchmarks/peers/floor.py): measured on short batches only.
 FLOORS = ("floor_bare", "floor_h11", "floor_tasks")
 HEARTBEAT_S = 1.0
@@ -68,7 +73,7 @@ class Server:
     def __init__(self, kind: str, events: Path, log: Path) -> None:
         self.kind, self.port = kind, free_port()
         env = {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_EVENTS": str(events)}
-        if kind in ("trio_gym", "trio_gym_h11"):
+        if kind in ("trio_gym", "trio_gym_h11", "trio_gym_scraped"):
             env.update(
                 NMP_RUNNER="benchmarks.workload:think_runner",
                 NMP_RUNTIME_HTTP_PORT=str(self.port),
@@ -125,9 +130,26 @@ def server(kind: str, scratch: Path) -> Iterator[tuple[Server, Path]]:
     events = scratch / f"{kind}-{time.monotonic_ns()}.events"
     events.touch()
     running = Server(kind, events, scratch / f"{kind}.log")
+    scraper = None
+    if kind == "trio_gym_scraped":
+        scrape = ["benchmarks.scraper", str(running.port), str(SCRAPE_S)]
+        scraper = subprocess.Popen(
+            ["taskset", "-c", "1", sys.executable, "-m", *scrape],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
     try:
         yield running, events
     finally:
+        if scraper is not None:
+            scraper.send_signal(signal.SIGTERM)
+            said, _ = scraper.communicate()
+            counts = json.loads(said)
+            print(f"scraper: {said.strip()}", flush=True)
+            if counts["failed"] or not counts["scrapes"]:
+                raise SystemExit(f"the scraper of {kind} failed: {counts}")
         running.close()
 
 

@@ -77,8 +77,8 @@ MUTATIONS = [
     Mutation(
         "close without draining (reset destroys the 413)",
         "trio_gym/host/server.py",
-        "            await _refuse(config, conn, error, busy=busy)\n        await conn.close()",
-        "            await _refuse(config, conn, error, busy=busy)\n        await conn.aclose()",
+        "            await _refuse(services, conn, error, busy=busy)\n        await conn.close()",
+        "            await _refuse(services, conn, error, busy=busy)\n        await conn.aclose()",
         ("tests/test_host_wire.py::test_413_is_read_by_a_client_still_uploading_50_mb",),
     ),
     Mutation(
@@ -160,7 +160,7 @@ MUTATIONS = [
     Mutation(
         "no connection cap",
         "trio_gym/host/server.py",
-        "    if busy:\n        raise _busy(config)",
+        '    if busy and not (head.method == b"GET" and path in WATCHED_WHEN_BUSY):\n        raise _busy(config)',
         "    if False:\n        raise _busy(config)",
         ("tests/test_host_wire.py::test_extra_connections_beyond_the_cap_get_503_host_busy",),
     ),
@@ -728,8 +728,8 @@ MUTATIONS = [
     Mutation(
         "the pacer's heartbeat writes nothing",
         "trio_gym/host/supervision.py",
-        "            self.body.send_nowait(self.data)",
-        "            pass",
+        "            if self.body.send_nowait(self.data):",
+        "            if False:",
         (
             "tests/test_proxy_regression.py::test_a_long_batch_arrives_whole_through_the_framing_proxy",
             "tests/test_host_clock.py::test_heartbeat_cadence_over_a_30_minute_batch",
@@ -956,8 +956,8 @@ MUTATIONS = [
     Mutation(
         "examples not counted as cancelled (the counting that proves cancellation)",
         "trio_gym/host/stats.py",
-        "            self.examples_cancelled += 1\n",
-        "            pass\n",
+        "        self.examples_ended[outcome, label] += 1\n",
+        '        self.examples_ended[outcome, label] += outcome != "cancelled"\n',
         (
             "tests/test_host_clock.py::test_deadline_cancels_every_running_example",
             "tests/test_host_clock.py::test_examples_of_a_runner_with_its_own_nursery_are_counted",
@@ -2616,15 +2616,6 @@ MUTATIONS = [
         ("tests/test_reattach.py::test_finished_answers_beyond_the_bytes_kept_go_oldest_first",),
     ),
     Mutation(
-        "the bytes bound drops an answer within its grace (#25)",
-        "trio_gym/host/reattach.py",
-        "            if age < min(self.grace_s, self.retention_s):\n                break",
-        "            if age < 0:\n                break",
-        (
-            "tests/test_reattach.py::test_an_answer_whose_caller_may_come_back_is_kept_over_the_bytes_bound",
-        ),
-    ),
-    Mutation(
         "a key whose answer was dropped runs its batch again (#24)",
         "trio_gym/host/reattach.py",
         "            if key in self._expired:",
@@ -2734,8 +2725,8 @@ MUTATIONS = [
     Mutation(
         "an answer a cut caller is coming back for dropped over the bytes bound (#24 review)",
         "trio_gym/host/reattach.py",
-        "            if batch.callers or age < min(self.grace_s, self.retention_s):",
-        "            if batch.callers:",
+        "            if age < min(self.grace_s, self.retention_s):\n                break",
+        "            if age < 0:\n                break",
         (
             "tests/test_reattach.py::test_an_answer_whose_caller_may_come_back_is_kept_over_the_bytes_bound",
         ),
@@ -2921,6 +2912,163 @@ MUTATIONS = [
         "parser.add_argument(setting.flag, dest=name, type=str, help=text)",
         (
             "tests/test_config.py::test_every_field_has_its_own_variable_and_every_flag_sets_its_field",
+        ),
+    ),
+    Mutation(
+        "a heartbeat written is not counted (#26)",
+        "trio_gym/host/supervision.py",
+        "                self.stats.count_beat(late)\n",
+        "                pass\n",
+        ("tests/test_metrics.py::test_each_metric_moves_as_its_event_happens",),
+    ),
+    Mutation(
+        "a heartbeat's lateness measured from its write, not its due time (#26)",
+        "trio_gym/host/supervision.py",
+        "        late, self.due = now - self.due, now + self.interval_s\n",
+        "        late, self.due = 0.0, now + self.interval_s\n",
+        ("tests/test_metrics.py::test_a_heartbeats_lateness_is_measured_from_the_time_it_was_due",),
+    ),
+    Mutation(
+        "a batch answered deadline_exceeded counted as internal (#26)",
+        "trio_gym/host/batch.py",
+        '            self.failed_with = fields.get("code")\n',
+        "            self.failed_with = None\n",
+        ("tests/test_metrics.py::test_each_metric_moves_as_its_event_happens",),
+    ),
+    Mutation(
+        "a batch whose caller left counted as ok (#26)",
+        "trio_gym/host/batch.py",
+        '            return "caller_gone"\n',
+        '            return "ok"\n',
+        ("tests/test_metrics.py::test_each_metric_moves_as_its_event_happens",),
+    ),
+    Mutation(
+        "a refused request is not counted (#26)",
+        "trio_gym/host/server.py",
+        "    services.stats.requests_refused[refusal.code.value] += 1\n",
+        "",
+        (
+            "tests/test_metrics.py::test_each_metric_moves_as_its_event_happens",
+            "tests/test_metrics.py::test_a_full_host_still_answers_its_metrics_and_counts_whom_it_refused",
+        ),
+    ),
+    Mutation(
+        "a connection refused busy is not counted (#26)",
+        "trio_gym/host/admission.py",
+        '                self._stats.connections_refused["busy"] += 1\n',
+        "                pass\n",
+        (
+            "tests/test_metrics.py::test_a_full_host_still_answers_its_metrics_and_counts_whom_it_refused",
+        ),
+    ),
+    Mutation(
+        "a full host refuses its /metrics too (#26)",
+        "trio_gym/host/server.py",
+        '    if busy and not (head.method == b"GET" and path in WATCHED_WHEN_BUSY):\n',
+        "    if busy:\n",
+        (
+            "tests/test_metrics.py::test_a_full_host_still_answers_its_metrics_and_counts_whom_it_refused",
+        ),
+    ),
+    Mutation(
+        "a failure class from outside taken whatever it is (#26)",
+        "trio_gym/host/stats.py",
+        "        if not isinstance(value, str) or not LABEL_PATTERN.fullmatch(value):\n",
+        "        if not isinstance(value, str):\n",
+        ("tests/test_metrics.py::test_failure_classes_from_outside_stay_a_bounded_label",),
+    ),
+    Mutation(
+        "failure classes from outside without a bound on how many (#26)",
+        "trio_gym/host/stats.py",
+        "            if len(self.seen) >= MAX_FOREIGN_LABELS:\n",
+        "            if False:\n",
+        ("tests/test_metrics.py::test_failure_classes_from_outside_stay_a_bounded_label",),
+    ),
+    Mutation(
+        "a failed example counted without its failure class (#26)",
+        "trio_gym/host/batch.py",
+        "            None if failure is None else failure.record.get(FAILURE_CLASS_KEY),\n",
+        "            None,\n",
+        ("tests/test_metrics.py::test_a_gym_failure_record_is_counted_by_its_class",),
+    ),
+    Mutation(
+        "a stopping host closes its port at once: nobody sees shutting_down (#26)",
+        "trio_gym/host/server.py",
+        "                    await stats.batch_changes.until(lambda: stats.batches_running == 0)\n",
+        "                    await trio.lowlevel.checkpoint()\n",
+        ("tests/test_metrics.py::test_metrics_answer_at_every_stage",),
+    ),
+    Mutation(
+        "bytes read from callers are not counted (#26)",
+        "trio_gym/http/connection.py",
+        "                    self._traffic.read += len(data)\n",
+        "                    self._traffic.read += 0\n",
+        ("tests/test_metrics.py::test_each_metric_moves_as_its_event_happens",),
+    ),
+    Mutation(
+        "an ejection is not counted (#26)",
+        "trio_gym/trainer/scheduler.py",
+        "        self.stats.ejections += 1\n",
+        "",
+        (
+            "tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",
+        ),
+    ),
+    Mutation(
+        "a failed replacement is counted as a replacement (#26)",
+        "trio_gym/trainer/scheduler.py",
+        "            self.stats.replacements_failed += 1\n",
+        "            self.stats.replacements += 1\n",
+        ("tests/test_pool.py::test_a_replacement_that_fails_to_start_loses_its_slot_not_the_pool",),
+    ),
+    Mutation(
+        "a chunk given up is not counted by its origin (#26)",
+        "trio_gym/trainer/pool.py",
+        "        self.stats.chunks_failed[final.origin.value] += 1\n",
+        "",
+        (
+            "tests/test_pool.py::test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_replaced",
+        ),
+    ),
+    Mutation(
+        "an aborted checkpoint counted as unavailable (#26)",
+        "trio_gym/trainer/coordinator.py",
+        '                outcome = "aborted"\n',
+        '                outcome = "unavailable"\n',
+        (
+            "tests/test_coordinator.py::test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_aborted",
+        ),
+    ),
+    Mutation(
+        "trio-gym run's exporter counts no chunk sent (#26)",
+        "trio_gym/trainer/pool.py",
+        "        self.stats.chunks_sent += 1\n",
+        "",
+        ("tests/test_metrics.py::test_trio_gym_run_serves_its_own_metrics_while_it_runs",),
+    ),
+    Mutation(
+        "the live status view scrolls instead of redrawing in place (#26)",
+        "trio_gym/trainer/status.py",
+        'CLEAR: Final = "\\x1b[H\\x1b[2J"\n',
+        'CLEAR: Final = ""\n',
+        ("tests/test_metrics.py::test_status_on_a_terminal_refreshes_in_place",),
+    ),
+    Mutation(
+        "trio-gym status --once says all is well while a host is down (#26)",
+        "trio_gym/trainer/status.py",
+        "        return 0 if all(r.health.status is HealthStatus.READY for r in now) else 1\n",
+        "        return 0\n",
+        (
+            "tests/test_metrics.py::test_status_once_prints_a_line_per_host_and_says_if_any_is_not_ready",
+        ),
+    ),
+    Mutation(
+        "a finalizer refusal is not counted as a failure (#26)",
+        "trio_gym/runners/finalize.py",
+        "            self.counts.failures[op] += 1\n",
+        "",
+        (
+            "tests/test_records.py::test_a_record_gyms_finalizer_cannot_finish_fails_its_row_naming_why",
         ),
     ),
 ]

@@ -92,3 +92,20 @@ async def serve_process(
         if process.returncode is None:
             process.kill()
         await process.wait()
+
+
+async def run_trio_gym(*args: str) -> trio.CompletedProcess[bytes]:
+    """``python -m trio_gym ARGS`` to its end, its output captured."""
+    with trio.fail_after(HANG_GUARD_S):
+        return await trio.run_process(
+            [sys.executable, "-m", "trio_gym", *args],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+
+
+def write_examples(path: Path, examples: list[Any]) -> Path:
+    """``examples`` as a JSON-lines file at ``path``."""
+    path.write_text("".join(json.dumps(example) + "\n" for example in examples))
+    return path

@@ -305,6 +305,9 @@ async def test_a_host_that_cannot_park_makes_the_checkpoint_unavailable_then_abo
         with pytest.raises(CheckpointAborted, match="2 unavailable in a row"):
             await f.coordinator.checkpoint(tmp_path / "c2")
         nursery.cancel_scope.cancel()
+    took = f.dispatcher.scheduler.stats.checkpoint_seconds
+    assert {outcome: h.count for outcome, h in took.items()} == {"unavailable": 1, "aborted": 1}
+    assert took["unavailable"].total >= settings.prepare_timeout_s  # it waited to park, in vain
     again = pickle.loads(pickle.dumps(first.value))
     assert type(again) is CheckpointUnavailable and str(again) == str(first.value)
     assert again.checkpoint_id == first.value.checkpoint_id
@@ -322,6 +325,8 @@ async def test_an_unavailable_checkpoint_is_retried_and_the_count_resets(
         await trio.sleep(2)  # the next opportunity: parks at the boundary at 60
         manifest = await f.coordinator.checkpoint(tmp_path / "c2")
         assert f.coordinator.consecutive_failures == 0
+        took = f.dispatcher.scheduler.stats.checkpoint_seconds
+        assert {outcome: h.count for outcome, h in took.items()} == {"unavailable": 1, "taken": 1}
     assert [host.episodes for host in manifest.hosts if host.episodes]
     assert f.dispatcher.ledger.groups["slow"].siblings[0].current.state is AttemptState.SEALED
 

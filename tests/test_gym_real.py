@@ -52,6 +52,7 @@ from tests.real_gym import (
     taskset_row,
     weather_package,
 )
+from tests.scrape import scrape, value
 
 pytestmark = pytest.mark.real_gym
 
@@ -611,3 +612,33 @@ async def test_an_agents_host_whose_capture_folders_are_elsewhere_says_records_a
     assert not made  # looked at, never made (Gym's stores make their folders)
     log = (tmp_path / "agents-host.log").read_text()
     assert log.count('"event": "records_not_finalized"') == 1
+
+
+async def test_metrics_show_the_gym_deployment_its_finalizer_and_gyms_failure_classes(
+    shared: Deployment,
+) -> None:
+    rows = [
+        row("weather_agent", "what is the weather in sf?", 40),
+        row("weather_session_agent", "weather [fail]", 41),  # Gym's environment_server_failed
+    ]
+    with trio.fail_after(HANG_GUARD_S):
+        before = await scrape(shared.port)
+        await tcp_exchange(shared.port, request_bytes({"examples": rows}, headers=ROWS))
+        after = await scrape(shared.port)
+    assert value(after, "trio_gym_gym_deployment_state", state="up") == 1
+    assert value(after, "trio_gym_gym_processes") >= 3  # Gym's head, Ray, its servers
+    assert value(after, "trio_gym_stage", stage="ready") == 1
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    classed = grew(
+        "trio_gym_examples_total", outcome="failed", failure_class="environment_server_failed"
+    )
+    assert (
+        classed == 1 and grew("trio_gym_examples_total", outcome="completed", failure_class="") == 1
+    )
+    # Gym's finalization ran for every attempt: three of the failing row (Gym's retries), one more.
+    assert grew("trio_gym_finalizer_calls_total", op="finish") == 4
+    assert grew("trio_gym_finalizer_calls_total", op="prepare") == 4
+    assert value(after, "trio_gym_finalizer_failures_total", op="finish") == 0

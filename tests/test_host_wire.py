@@ -23,6 +23,7 @@ from tests.helpers import (
     running_host,
     tcp_exchange,
 )
+from tests.slow_to_stop_runner import SlowToStop
 from trio_gym.config import ServeConfig
 from trio_gym.host.supervision import PROBE_DELAY_S, probe_delay_s
 from trio_gym.http import HttpConnection, HttpLimits, SocketTransport, StreamTransport
@@ -669,23 +670,11 @@ async def test_a_result_nested_too_deeply_to_encode_fails_its_example_cleanly() 
     assert lines[-1] == {"done": True, "completed": 1, "failed": 1}
 
 
-class SlowToStop:
-    """An example whose cleanup, once cancelled, takes 1.5 s (closing a sandbox, say)."""
-
-    def check_example(self, example: Any) -> None:
-        pass
-
-    async def run_example(self, example: Any, context: Any) -> Any:
-        try:
-            await trio.sleep(60)
-        finally:
-            with trio.CancelScope(shield=True):
-                await trio.sleep(1.5)
-
-
 async def test_heartbeats_go_on_while_a_stopping_host_waits_for_a_batch() -> None:
     """The pacer outlives the connections: during the shutdown grace a batch still beats."""
-    async with running_host(runner=SlowToStop(), heartbeat_interval_s=0.1, shutdown_grace_s=30) as (
+    async with running_host(
+        runner=SlowToStop(1.5), heartbeat_interval_s=0.1, shutdown_grace_s=30
+    ) as (
         host,
         port,
     ):

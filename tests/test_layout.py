@@ -14,6 +14,8 @@ TRAINER = (
     "trio_gym.trainer.dispatch",
     "trio_gym.trainer.batch_file",
     "trio_gym.trainer.pool",
+    "trio_gym.trainer.metrics",
+    "trio_gym.trainer.status",
 )
 FLEET = (
     "trio_gym.fleet",

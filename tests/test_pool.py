@@ -85,6 +85,11 @@ async def test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_repla
             # The dead host's slot gets a new host, and the next batch uses it.
             await eventually(lambda: "local-3" in [handle.name for handle in pool.hosts])
             assert pool.ejected == {} and len(pool.hosts) == 3
+            stats = pool.stats
+            assert (stats.ejections, stats.replacements, stats.replacements_failed) == (1, 1, 0)
+            assert stats.chunks_failed == {"sandbox": 1}  # the dead host's one chunk (of 2)
+            assert stats.hosts == {"healthy": 3, "lost": 1}
+            assert stats.chunks_answered == 11 and stats.chunks_in_flight == 0
             results = await pool.run(examples(6, sleep_s=0.2))
             assert len({result["pid"] for result in results}) == 3
             assert killed not in {result["pid"] for result in results}
@@ -121,6 +126,8 @@ async def test_a_replacement_that_fails_to_start_loses_its_slot_not_the_pool(
             await eventually(lambda: "replacement failed" in "".join(pool.ejected.values()))
             ((name, why),) = pool.ejected.items()
             assert why.startswith("its process is gone; its replacement failed: host local-2")
+            assert (pool.stats.replacements, pool.stats.replacements_failed) == (0, 1)
+            assert pool.stats.hosts == {"healthy": 1, "lost": 1}
             assert "this image no longer starts" in why
             # The pool carries on with the host it has left.
             assert len(await pool.run(examples(4, sleep_s=0))) == 4

@@ -181,6 +181,11 @@ async def test_a_record_gyms_finalizer_cannot_finish_fails_its_row_naming_why() 
     assert record["_ng_task_index"] == 1  # identity carried onto the failure record
     error = document.json()["error"]  # a document fails as a whole, as the upstream host's does
     assert error["code"] == "internal" and "FinalizeFailed" in error["message"]
+    runner = rig.host.services.lifecycle.runner
+    assert isinstance(runner, AgentsRunner)
+    counts = runner.finalization  # what /metrics shows
+    assert counts is not None and counts.calls["finish"] == 4 and counts.calls["prepare"] == 4
+    assert dict(counts.failures) == {"finish": 2}  # the second row's, in each request
 
 
 async def test_a_failed_run_keeps_its_failure_record_when_gym_cannot_finish_it() -> None:

@@ -4,34 +4,21 @@ from __future__ import annotations
 
 import json
 import socket
-import sys
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 import trio
 
 from tests.helpers import CountingRunner, running_host
-from tests.processes import kill_all, processes_with
+from tests.processes import kill_all, processes_with, run_trio_gym, write_examples
 
 HANG_GUARD_S = 60
 POOL_TEST = "TRIO_GYM_POOL_TEST"
 
 
-def write_examples(path: Path, examples: list[Any]) -> Path:
-    path.write_text("".join(json.dumps(example) + "\n" for example in examples))
-    return path
-
-
 async def trio_gym_run(*args: str) -> trio.CompletedProcess[bytes]:
-    with trio.fail_after(HANG_GUARD_S):
-        return await trio.run_process(
-            [sys.executable, "-m", "trio_gym", "run", *args],
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-        )
+    return await run_trio_gym("run", *args)
 
 
 async def test_run_writes_results_in_input_order_with_progress(tmp_path: Path) -> None:

@@ -7,7 +7,13 @@ The names below are loaded when first used, so that importing one side — the t
 from __future__ import annotations
 
 import importlib
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
+
+try:
+    __version__ = version("trio-gym")
+except PackageNotFoundError:  # run from a checkout that was never installed
+    __version__ = "0+unknown"
 
 if TYPE_CHECKING:
     from trio_gym.config import ServeConfig, load_serve_config

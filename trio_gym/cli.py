@@ -12,7 +12,8 @@ import gc
 import logging
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Final, cast
 
@@ -33,13 +34,17 @@ from trio_gym.config import (
 from trio_gym.demo import run_demo
 from trio_gym.demo_fleet import run_fleet_demo
 from trio_gym.errors import leaves
+from trio_gym.exposition import MetricsUnavailable
 from trio_gym.fleet.launch import HostSpec
 from trio_gym.fleet.spread import Launch, batch_runner
 from trio_gym.host import Host, ListenError, serve
+from trio_gym.http import Endpoint
 from trio_gym.install import InstallError, PackageError, install_environment, load_package
 from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.batch_file import run_file
+from trio_gym.trainer.metrics import FleetStats, serve_metrics
 from trio_gym.trainer.scheduler import SchedulerSettings
+from trio_gym.trainer.status import show_status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,6 +119,18 @@ def _parser() -> argparse.ArgumentParser:
         "--max-attempts", type=int, default=3, help="tries per chunk, with one host (3)"
     )
     run_cmd.add_argument("--deadline", type=float, help="deadline_s sent with each request")
+    run_cmd.add_argument(
+        "--metrics-port",
+        type=int,
+        help="serve the run's own metrics (hosts by state, chunks, ejections, replacements) "
+        "as Prometheus text at http://HOST:PORT/metrics while it runs (0: any free port, said "
+        "on stderr)",
+    )
+    run_cmd.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="the address --metrics-port listens on (127.0.0.1; 0.0.0.0 for every interface)",
+    )
     defaults = ClientSettings()
     run_cmd.add_argument(
         "--idle-timeout",
@@ -138,6 +155,18 @@ def _parser() -> argparse.ArgumentParser:
     run_cmd.add_argument(
         "--http10", action="store_true", help="speak HTTP/1.0 (buffered answers, no heartbeats)"
     )
+
+    status_cmd = commands.add_parser(
+        "status",
+        help="watch hosts: one line each from /health and /metrics",
+        description="One line per host: its health, stage, batches and examples in flight, "
+        "examples per second, heartbeat lateness and failures by class. On a terminal it "
+        "refreshes in place until Ctrl-C; otherwise (or with --once) it prints once, from two "
+        "reads --interval apart, and exits 0 when every host is ready, 1 otherwise.",
+    )
+    status_cmd.add_argument("urls", nargs="+", metavar="URL", help="a host, e.g. http://h:8080")
+    status_cmd.add_argument("--interval", type=float, default=2.0, help="seconds between reads (2)")
+    status_cmd.add_argument("--once", action="store_true", help="print once, even on a terminal")
 
     demo_cmd = commands.add_parser(
         "demo",
@@ -192,7 +221,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _validate(args)
     if args.command == "run":
         return _run(args)
+    if args.command == "status":
+        return _status(args)
     return _demo(args)
+
+
+def _status(args: argparse.Namespace) -> int:
+    logs.configure(level=logging.ERROR)
+    try:
+        for url in args.urls:
+            Endpoint.parse(url)
+    except ValueError as exc:
+        print(f"trio-gym status: {exc}", file=sys.stderr)
+        return 2
+    live = sys.stdout.isatty() and not args.once
+    show = partial(show_status, args.urls, interval_s=args.interval, live=live)
+    try:
+        return trio.run(show)
+    except MetricsUnavailable as exc:
+        print(f"trio-gym status: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
 
 
 def _config(args: argparse.Namespace) -> ServeConfig | None:
@@ -297,6 +347,7 @@ async def _stop_on_signals(host: Host, scope: trio.CancelScope) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     logs.configure(level=logging.WARNING)
+    stats = FleetStats()
     try:
         settings = ClientSettings(
             chunk_size=args.chunk_size,
@@ -315,11 +366,31 @@ def _run(args: argparse.Namespace) -> int:
             spec=_launched_host_spec(args.host_config),
             client_settings=settings,
             pool_settings=SchedulerSettings(per_host_in_flight=args.max_in_flight),
+            stats=stats,
         )
     except (ValueError, ConfigError) as exc:
         print(f"trio-gym run: {exc}", file=sys.stderr)
         return 2
-    return trio.run(run_file, args.examples, args.out, args.chunk_size, run_batch)
+    run = partial(run_file, args.examples, args.out, args.chunk_size, run_batch)
+    if args.metrics_port is None:
+        return trio.run(run)
+    return trio.run(_run_exporting, run, stats, args.metrics_host, args.metrics_port)
+
+
+async def _run_exporting(
+    run: Callable[[], Awaitable[int]], stats: FleetStats, host: str, port: int
+) -> int:
+    """``run`` beside the exporter of its metrics, which ends with it."""
+    async with trio.open_nursery() as nursery:
+        try:
+            bound = await nursery.start(partial(serve_metrics, stats, port, host=host))
+        except (OSError, MetricsUnavailable) as exc:
+            print(f"trio-gym run: cannot serve --metrics-port {port}: {exc}", file=sys.stderr)
+            return 2
+        print(f"trio-gym run: metrics at http://{host}:{bound}/metrics", file=sys.stderr)
+        code = await run()
+        nursery.cancel_scope.cancel()
+    return code
 
 
 def _launched_host_spec(host_config: Path | None) -> HostSpec:

@@ -21,6 +21,7 @@ from trio_gym.trainer.batch_file import BatchRunner
 from trio_gym.trainer.client import RolloutClient
 from trio_gym.trainer.host_client import ClientSettings
 from trio_gym.trainer.hosts import HostHandle
+from trio_gym.trainer.metrics import FleetStats
 from trio_gym.trainer.pool import HostPool, Progress
 from trio_gym.trainer.scheduler import SchedulerSettings
 
@@ -55,6 +56,7 @@ def batch_runner(
     spec: HostSpec,
     client_settings: ClientSettings,
     pool_settings: SchedulerSettings,
+    stats: FleetStats | None = None,
 ) -> BatchRunner:
     """The call that runs one batch on the hosts chosen (each example's outcome, as
     :data:`~trio_gym.trainer.batch_file.BatchRunner` says); raises ``ValueError`` for a choice
@@ -78,6 +80,7 @@ def batch_runner(
             client_settings=client_settings,
             launcher=launcher,
             progress=progress,
+            stats=stats,
         )
         async with pool:
             return await pool.outcomes(examples)
@@ -88,7 +91,7 @@ def batch_runner(
         async def run_on_one(
             examples: Sequence[Mapping[str, Any]], progress: Progress
         ) -> list[Any]:
-            client = RolloutClient(url, client_settings, progress=progress)
+            client = RolloutClient(url, client_settings, progress=progress, stats=stats)
             return await client.outcomes(examples)
 
         return run_on_one

@@ -50,9 +50,13 @@ class Admission:
                 admitted.slots.acquire_nowait()
             except trio.WouldBlock:
                 continue
-            if not admitted.busy:
+            if admitted.busy:
+                self._stats.connections_refused["busy"] += 1
+            else:
                 self._stats.connections_open += 1
+                self._stats.connections_accepted += 1
             return admitted
+        self._stats.connections_refused["dropped"] += 1
         return None
 
     def release(self, admitted: Admitted) -> None:

@@ -99,12 +99,28 @@ class Batch:
     accepted_at: float = attrs.field(factory=trio.current_time)
     unlogged_running: dict[str, Any] | None = None
     """The ``batch_running`` line's fields until it is written."""
+    failed_with: str | None = None
+    """The error code its error document carries, once it is failing."""
+
+    @property
+    def outcome(self) -> str:
+        """How it ended, as ``/metrics`` counts it: ``ok``, ``caller_gone``, the error code it
+        was answered with, or ``internal`` (a bug ended it in another state)."""
+        if self.state is BatchState.DONE:
+            return "ok"
+        if self.state is BatchState.ABANDONED:
+            return "caller_gone"
+        if self.state is BatchState.FAILED and self.failed_with is not None:
+            return self.failed_with
+        return ErrorCode.INTERNAL.value
 
     def advance(self, to: BatchState, **fields: Any) -> None:
         """Move to ``to``; raises ``RuntimeError`` for a move the table does not allow (a bug)."""
         if to not in TRANSITIONS[self.state]:
             raise RuntimeError(f"batch {self.id}: illegal move {self.state.value} -> {to.value}")
         self.state = to
+        if to is BatchState.FAILING:
+            self.failed_with = fields.get("code")
         if to is BatchState.RUNNING:
             self.unlogged_running = fields
             return
@@ -222,6 +238,7 @@ async def run_example(
         example = {**example, ROLLOUT_ID_KEY: identity.rollout_id}
     episode.started = True
     services.stats.examples_started += 1
+    started_at = trio.current_time()
     # Counted in `finally`: a runner with a nursery of its own ends a cancellation with a group
     # of Cancelled, which `except trio.Cancelled` would not see.
     outcome = "cancelled"
@@ -236,7 +253,11 @@ async def run_example(
         failure = ExampleFailed(episode.index, exc, record)
         failure.__cause__ = exc
     finally:
-        services.stats.count_end(outcome)
+        services.stats.count_end(
+            outcome,
+            trio.current_time() - started_at,
+            None if failure is None else failure.record.get(FAILURE_CLASS_KEY),
+        )
         services.episodes.end(episode)
     if failure is None and episode.scope.cancelled_caught:
         retired = AttemptRetired(f"{episode.id.capture_key} was retired while it ran")

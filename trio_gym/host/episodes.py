@@ -86,6 +86,8 @@ class Episodes:
         self.consumed: dict[str, str] = {}
         """Capture key -> rollout id of restored episodes already re-dispatched (exactly once)."""
         self.boundaries = 0
+        self.restored_total = 0
+        """Episodes a restore installed, over the host's life."""
         self._release = Changes()
         """Noted when parking ends: parked episodes go on."""
         self._changes = Changes()
@@ -252,6 +254,7 @@ class Episodes:
     def install(self, restored: Iterable[RestoredEpisode]) -> None:
         for episode in restored:
             self.restored[episode.id.capture_key] = episode
+            self.restored_total += 1
             self.superseded[episode.id.rollout_id] = episode.id.attempt
         self._note()
 

@@ -14,6 +14,7 @@ phase in every answer (:meth:`Lifecycle.refusal`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Final
@@ -76,7 +77,13 @@ class Lifecycle:
     :meth:`bootstrap` loads ``config.runner`` while ``/health`` says ``starting``.
     """
 
-    def __init__(self, config: ServeConfig, *, runner: Runner | None = None) -> None:
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        runner: Runner | None = None,
+        wall_time: Callable[[], float] = time.time,  # clock-ok: a stage's start is a wall time
+    ) -> None:
         self._config = config
         self._runner = runner
         self._phase: StartupPhase = Ready() if runner is not None else Starting("starting")
@@ -92,8 +99,14 @@ class Lifecycle:
         """Around the Gym deployment's task: a start-up that fails after Gym started stops it."""
         self.shutdown_requested = trio.Event()
         self._stoppable: set[trio.CancelScope] = set()
+        self.gym: GymDeployment | None = None
+        """The Gym deployment the host owns (runner ``gym``), once it is being started."""
         if runner is not None:
             self.settled.set()
+        self._wall_time = wall_time
+        self._stage = self.stage
+        self.stage_started_at = wall_time()
+        """When the host entered :attr:`stage`, in seconds since the Unix epoch."""
 
     # --- the phase ------------------------------------------------------------------------
 
@@ -102,10 +115,26 @@ class Lifecycle:
         """Where start-up is: starting (a stage, maybe what it waits for), ready, or failed."""
         return self._phase
 
+    @property
+    def stage(self) -> str:
+        """The phase as one name: a start stage's, ``ready``, ``failed``, or ``shutting_down``
+        (which outranks them all, as in every answer)."""
+        if self.shutdown_requested.is_set():
+            return "shutting_down"
+        phase = self._phase
+        if isinstance(phase, Starting):
+            return phase.stage
+        return "ready" if isinstance(phase, Ready) else "failed"
+
+    def _note_stage(self) -> None:
+        if self.stage != self._stage:
+            self._stage, self.stage_started_at = self.stage, self._wall_time()
+
     def _move(self, to: StartupPhase) -> None:
         if type(to) not in MOVES[type(self._phase)]:
             return
         self._phase = to
+        self._note_stage()
         self._phase_changes.note()
 
     async def wait_for_phase(self, predicate: Callable[[StartupPhase], bool]) -> StartupPhase:
@@ -132,6 +161,11 @@ class Lifecycle:
         self.health_notes.append(text)
 
     # --- the runner -----------------------------------------------------------------------
+
+    @property
+    def loaded_runner(self) -> Runner | None:
+        """The runner once loaded, else ``None``."""
+        return self._runner
 
     @property
     def runner(self) -> Runner:
@@ -171,7 +205,7 @@ class Lifecycle:
             head_server = ""
             if config.runner == "gym":
                 self._enter("starting_gym")
-                deployment = GymDeployment(config, package)
+                self.gym = deployment = GymDeployment(config, package)
                 ready: GymReady = await background.start(self._keep_gym, deployment)
                 head_server = ready.head_url
             self._enter("starting_runner")
@@ -218,6 +252,7 @@ class Lifecycle:
         if not self.shutdown_requested.is_set():
             log_event("shutdown_requested")
             self.shutdown_requested.set()
+            self._note_stage()
             for scope in self._stoppable:
                 scope.cancel()
 

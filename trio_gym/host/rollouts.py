@@ -285,6 +285,8 @@ async def run_batch(services: Services, caller: Caller, body: bytes, rows: bool)
             batch.advance(BatchState.ABANDONED, reason=str(exc))
         finally:
             services.stats.batches_running -= 1
+            services.stats.batches_finished[batch.outcome] += 1
+            services.stats.batch_changes.note()
     finally:
         for live in admitted:
             if isinstance(live, LiveEpisode):

@@ -37,6 +37,7 @@ from trio_gym.protocol.rollouts import HEALTH_PATH, RUN_PATH
 
 from .admission import Admitted
 from .control import CARRY_OUT, answer_operation, answer_status
+from .metrics import METRICS_PATH, answer_metrics
 from .rollouts import answer_rollouts, cancel_keyed
 from .state import Host, Services
 
@@ -63,6 +64,7 @@ async def _answer_options(services: Services, conn: HttpConnection, head: h11.Re
 
 ROUTES: Final[dict[str, dict[bytes, Handler]]] = {
     HEALTH_PATH: {b"GET": _answer_health, b"OPTIONS": _answer_options},
+    METRICS_PATH: {b"GET": answer_metrics, b"OPTIONS": _answer_options},
     RUN_PATH: {
         b"POST": answer_rollouts,
         b"DELETE": cancel_keyed,
@@ -72,6 +74,12 @@ ROUTES: Final[dict[str, dict[bytes, Handler]]] = {
     **{op.path: {b"POST": partial(answer_operation, op)} for op in CARRY_OUT},
     "*": {b"OPTIONS": _answer_options},  # the server as a whole (RFC 9110 §9.3.7)
 }
+
+
+# A full host is when an operator most wants to look at it: its overflow connections (short
+# timeouts, a bounded number) still answer its metrics. (/health stays 503 host_busy: it says
+# whether a batch would be accepted, and one would not.)
+WATCHED_WHEN_BUSY: Final = frozenset({METRICS_PATH})
 
 
 def route_path(target: bytes) -> str:
@@ -111,14 +119,15 @@ def _route(config: ServeConfig, head: h11.Request, *, busy: bool) -> Handler:
     returns the handler rather than awaiting it: a frame less kept by every held batch.)"""
     if config.host_identity:  # before busy: a busy stranger is still a stranger
         _check_identity(config.host_identity, head)
-    if busy:
-        raise _busy(config)
     path = route_path(head.target)
+    if busy and not (head.method == b"GET" and path in WATCHED_WHEN_BUSY):
+        raise _busy(config)
     methods = ROUTES.get(path)
     if methods is None:
         raise WireError(
             ErrorCode.NOT_FOUND,
-            f"no such path {path!r}; this host serves GET /health and POST /rollouts/run",
+            f"no such path {path!r}; this host serves GET /health, GET /metrics and "
+            "POST /rollouts/run",
         )
     handler = methods.get(head.method)
     if handler is None:
@@ -157,11 +166,13 @@ def _busy(config: ServeConfig) -> WireError:
 
 
 async def _refuse(
-    config: ServeConfig, conn: HttpConnection, error: WireError, *, busy: bool
+    services: Services, conn: HttpConnection, error: WireError, *, busy: bool
 ) -> None:
     """Answer a refusal of any kind, in one place. Whatever the head held, an over-cap
     connection hears the same answer — but a caller of another host hears that it is."""
-    refusal = _busy(config) if busy and error.code is not ErrorCode.WRONG_HOST else error
+    wrong_host = error.code is ErrorCode.WRONG_HOST
+    refusal = _busy(services.config) if busy and not wrong_host else error
+    services.stats.requests_refused[refusal.code.value] += 1
     log_event("refused", status=refusal.status, code=refusal.code.value, reason=refusal.message)
     await send_json(conn, refusal.status, refusal.envelope(), headers=refusal.headers)
 
@@ -195,7 +206,9 @@ async def handle_connection(
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(transport.send_queued_forever)
-            await _answer(host.services, HttpConnection(transport, h11.SERVER, limits), admitted)
+            traffic = host.services.stats.traffic
+            conn = HttpConnection(transport, h11.SERVER, limits, traffic=traffic)
+            await _answer(host.services, conn, admitted)
             nursery.cancel_scope.cancel()
     finally:
         host.admission.release(admitted)
@@ -208,7 +221,8 @@ async def handle_socket(host: Host, sock: trio.socket.SocketType) -> None:
         sock.close()
         await trio.lowlevel.checkpoint()
         return
-    conn = HttpConnection(SocketTransport(sock), h11.SERVER, admitted.limits)
+    traffic = host.services.stats.traffic
+    conn = HttpConnection(SocketTransport(sock), h11.SERVER, admitted.limits, traffic=traffic)
     try:
         await _answer(host.services, conn, admitted)
     finally:
@@ -230,7 +244,7 @@ async def _answer(services: Services, conn: HttpConnection, admitted: Admitted) 
             head = await read_request_head(conn)
             await _route(config, head, busy=busy)(services, conn, head)
         except WireError as error:
-            await _refuse(config, conn, error, busy=busy)
+            await _refuse(services, conn, error, busy=busy)
         await conn.close()
     except ConnectionLost as exc:
         log_event("caller_gone", reason=str(exc))
@@ -310,11 +324,12 @@ async def serve(
     """Bootstrap and serve until the lifecycle's ``request_shutdown``, then stop gracefully.
 
     Reports the bound port through ``task_status`` as soon as the socket listens (before the
-    runner is loaded: ``/health`` answers ``starting`` meanwhile). On shutdown: stop accepting,
-    let in-flight batches answer ``shutting_down``, and cut whatever is still open after
-    ``shutdown_grace_s`` (each write is bounded by ``send_timeout_s``); then stop the services,
-    a Gym deployment among them (within ``gym_stop_grace_s`` and a margin). The process is gone
-    within the sum of those bounds.
+    runner is loaded: ``/health`` answers ``starting`` meanwhile). On shutdown: let in-flight
+    batches answer ``shutting_down`` (accepting until they have, so that ``/health`` and
+    ``/metrics`` say so), and cut whatever is still open after ``shutdown_grace_s`` (each
+    write is bounded by ``send_timeout_s``); then stop the services, a Gym deployment among
+    them (within ``gym_stop_grace_s`` and a margin). The process is gone within the sum of
+    those bounds.
     """
     config = host.config
     try:
@@ -345,9 +360,15 @@ async def serve(
                 log_event("listening", host=config.host, port=port)
                 task_status.started(port)
                 await lifecycle.shutdown_requested.wait()
+                stop_at = trio.current_time() + config.shutdown_grace_s
+                # Listening on while batches still run, within the grace: /health and /metrics
+                # say shutting_down, and a new batch is refused so (not a refused connection).
+                stats = services.stats
+                with trio.move_on_at(stop_at):
+                    await stats.batch_changes.until(lambda: stats.batches_running == 0)
                 server_tasks.cancel_scope.cancel()
             log_event("stopped_accepting", open_connections=services.stats.connections_open)
-            connections.cancel_scope.deadline = trio.current_time() + config.shutdown_grace_s
+            connections.cancel_scope.deadline = stop_at
         background.cancel_scope.cancel()
     await lifecycle.close_runner()
     log_event("stopped")

@@ -78,7 +78,7 @@ class Host:
         wall_time: Callable[[], float] = time.time,  # clock-ok: control calls carry wall times
     ) -> None:
         self.config = config
-        self.lifecycle = Lifecycle(config, runner=runner)
+        self.lifecycle = Lifecycle(config, runner=runner, wall_time=wall_time)
         stats = HostStats()
         limits = config.http_limits()
         self.admission = Admission(config, limits, stats)

@@ -32,6 +32,7 @@ from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, send_body
 from .batch import Batch
 from .pacer import Pacer
 from .state import Services
+from .stats import HostStats
 
 # The caller watcher starts this long into a batch (and its running line is logged then): most
 # short batches are over by then, and spawning, parking and cancelling a task for each was a
@@ -122,8 +123,10 @@ async def supervise(
                 lasting = partial(_batch_lasts, nursery, batch, caller, body, heartbeat)
                 timers = [pacer.call_after(WATCH_AFTER_S, lasting)]
                 if body is not None:
-                    beat = _Heartbeat(body, heartbeat, batch_scope)
-                    timers.append(pacer.start_every(services.config.heartbeat_interval_s, beat))
+                    interval_s = services.config.heartbeat_interval_s
+                    due = trio.current_time() + interval_s
+                    beat = _Heartbeat(body, heartbeat, batch_scope, services.stats, interval_s, due)
+                    timers.append(pacer.start_every(interval_s, beat))
                 services.lifecycle.cancel_on_shutdown(batch_scope)
                 try:
                     await work()
@@ -174,11 +177,19 @@ class _Heartbeat:
     body: Body
     data: bytes
     batch: trio.CancelScope
+    stats: HostStats
+    interval_s: float
+    due: float
+    """When the pacer should call it next: one interval after it started, then after each call."""
     lost: ConnectionLost | None = None
 
     def __call__(self) -> None:
+        now = trio.current_time()
+        late, self.due = now - self.due, now + self.interval_s
         try:
-            self.body.send_nowait(self.data)  # skipped (False) while another write is under way
+            # skipped (False) while another write is under way: not a heartbeat sent
+            if self.body.send_nowait(self.data):
+                self.stats.count_beat(late)
         except ConnectionLost as exc:
             self.lost = exc
             self.batch.cancel()

@@ -17,7 +17,7 @@ from trio_gym.http.client import (
     open_tcp,
     read_response_head,
 )
-from trio_gym.http.connection import HttpConnection
+from trio_gym.http.connection import HttpConnection, Traffic
 from trio_gym.http.limits import HttpLimits
 from trio_gym.http.messages import (
     ChunkedBody,
@@ -52,6 +52,7 @@ __all__ = [
     "StreamOpener",
     "SocketTransport",
     "StreamTransport",
+    "Traffic",
     "Transport",
     "declared_length",
     "encode_json",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Final, overload
 
+import attrs
 import trio
 
 from trio_gym.http.h11_build import h11
@@ -22,6 +23,14 @@ Role = type[h11.CLIENT] | type[h11.SERVER]
 _HEAD_STATES: Final = (h11.IDLE, h11.SEND_RESPONSE)
 # Enough of a request's first bytes to hold any method name and the space after it.
 _METHOD_BYTES: Final = 16
+
+
+@attrs.define
+class Traffic:
+    """Bytes read and written by the connections that share it (a host's callers)."""
+
+    read: int = 0
+    written: int = 0
 
 
 class HttpConnection:
@@ -39,8 +48,10 @@ class HttpConnection:
         limits: HttpLimits,
         *,
         request_version: bytes = b"1.1",
+        traffic: Traffic | None = None,
     ) -> None:
         self.limits = limits
+        self._traffic = traffic
         self._request_version = request_version
         self._transport = transport
         self._h11 = h11.Connection(role, max_incomplete_event_size=limits.max_head_bytes)
@@ -175,10 +186,13 @@ class HttpConnection:
 
     def _write_now(self, data: bytes) -> int:
         try:
-            return self._transport.write_now(data)
+            written = self._transport.write_now(data)
         except ConnectionLost:
             self._lost = True
             raise
+        if self._traffic is not None:
+            self._traffic.written += written
+        return written
 
     def _bytes_of(self, event: h11.Event) -> bytes:
         data = self._h11.send(event) or b""
@@ -226,6 +240,8 @@ class HttpConnection:
                 )
                 if data is None:
                     return None
+                if self._traffic is not None:
+                    self._traffic.read += len(data)
                 self._h11.receive_data(self._took(data, in_head))
                 continue
             if event is h11.PAUSED:

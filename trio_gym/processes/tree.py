@@ -84,6 +84,11 @@ class ProcessTree:
     def ended(self) -> bool:
         return self._ended.is_set()
 
+    def count_processes(self) -> int:
+        """How many processes run under the guard now (its descendants, orphans included). It
+        reads all of ``/proc``: call it from a worker thread."""
+        return 0 if self.ended else len(ProcTree(self.guard.pid).members())
+
     async def wait(self) -> int:
         """Until the tree has ended (its leader exited, or it was stopped): the guard's status,
         which is the leader's own when it exited by itself."""

@@ -79,7 +79,7 @@ from trio_gym.http import (
 from trio_gym.logs import log_event
 from trio_gym.protocol.identity import ATTEMPT_KEY, capture_key_of, numbered
 from trio_gym.protocol.rollouts import FAILURE_CLASS_KEY, FAILURE_MESSAGE_KEY
-from trio_gym.runners.base import ExampleContext, report_health_note
+from trio_gym.runners.base import ExampleContext, FinalizationCounts, report_health_note
 
 from .deployment import (
     AGENT_KEY,
@@ -323,6 +323,10 @@ class AgentsRunner:
             log_event("records_not_finalized", level=logging.WARNING, reason=why)
             report_health_note(why)
             task_status.started()
+
+    @property
+    def finalization(self) -> FinalizationCounts | None:
+        return None if self.finalizer is None else self.finalizer.counts
 
     async def aclose(self) -> None:
         """Close the connections kept alive toward the agent servers."""

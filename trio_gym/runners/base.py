@@ -51,6 +51,7 @@ with :meth:`ExampleContext.when_delivered`.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -220,6 +221,22 @@ class BoundaryReporter(Runner, Protocol):
     """A runner every episode of which reports step boundaries (so each can be captured)."""
 
     reports_boundaries: bool
+
+
+@attrs.define
+class FinalizationCounts:
+    """Calls to Gym's record finalization, and those that failed, by operation."""
+
+    calls: collections.Counter[str] = attrs.field(factory=collections.Counter)
+    failures: collections.Counter[str] = attrs.field(factory=collections.Counter)
+
+
+@runtime_checkable
+class FinalizingRunner(Runner, Protocol):
+    """A runner that may finish records with Gym's own code (``None``: it does not here)."""
+
+    @property
+    def finalization(self) -> FinalizationCounts | None: ...
 
 
 @runtime_checkable

@@ -39,6 +39,7 @@ from trio_gym.http import encode_json
 from trio_gym.logs import log_event
 from trio_gym.processes.output import OutputTail
 
+from .base import FinalizationCounts
 from .deployment import AgentError
 
 WORKER: Final = Path(__file__).with_name("finalize_worker.py")
@@ -317,6 +318,7 @@ class RecordFinalizer:
         self._worker: _Worker | None = None
         self._worker_changes = Changes()
         self._last_end = "it has not started yet"
+        self.counts = FinalizationCounts()
         self._retire_in, self._retire_out = trio.open_memory_channel[Retirement](math.inf)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -447,6 +449,14 @@ class RecordFinalizer:
         """A request to the worker running now, waiting for one being started within
         ``call_timeout_s``; its answer then comes within the worker's bound. Raises
         :class:`FinalizeFailed` saying why not."""
+        self.counts.calls[op] += 1
+        try:
+            return await self._call_worker(op, fields)
+        except FinalizeFailed:
+            self.counts.failures[op] += 1
+            raise
+
+    async def _call_worker(self, op: str, fields: Mapping[str, Any]) -> dict[str, Any]:
         with trio.move_on_after(self.call_timeout_s) as waiting:
             while (worker := self._worker) is None or worker.exited or worker.ended is not None:
                 await self._worker_changes.wait()
@@ -482,6 +492,7 @@ class RecordFinalizer:
                     str(retire["rollout_id"]), str(retire["snapshot_id"]), int(retire["version"])
                 )
         except (KeyError, TypeError, ValueError) as exc:
+            self.counts.failures["finish"] += 1
             raise FinalizeFailed(
                 f"Gym's finalizer answered something that is not a finished record "
                 f"({str(answer)[:200]}); is its finalize_worker.py from this trio_gym?"

@@ -39,7 +39,7 @@ import tempfile
 from collections.abc import Mapping, MutableMapping
 from functools import partial
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import attrs
 import trio
@@ -276,6 +276,11 @@ class GymReady:
     head_url: str
 
 
+GymState = Literal["not_started", "starting", "up", "exited", "failed", "stopped"]
+"""Where a deployment is: ``exited`` by itself once up, ``failed`` to come up, ``stopped`` by
+the host."""
+
+
 class GymDeployment:
     """One Gym deployment, owned by the task that runs :meth:`run`."""
 
@@ -292,6 +297,9 @@ class GymDeployment:
         self.environ = os.environ if environ is None else environ
         self.opener = opener
         self.limits: HttpLimits = config.http_limits()
+        self.state: GymState = "not_started"
+        self.tree: ProcessTree | None = None
+        """The deployment's processes, while they run."""
 
     async def run(
         self, *, task_status: trio.TaskStatus[GymReady] = trio.TASK_STATUS_IGNORED
@@ -336,20 +344,29 @@ class GymDeployment:
             stop_grace_s=self.config.gym_stop_grace_s,
         )
         failure: str | None = None
-        async with trio.open_nursery() as nursery:
-            try:
-                tree: ProcessTree = await nursery.start(start)
-            except OSError as exc:
-                failure = f"cannot start Gym's guard: {exc}"
-            else:
-                failure = await self._until_up(head, tree)
-                if failure is None:
-                    log_event("gym_ready", head_server=head.authority, deployment=tag)
-                    task_status.started(GymReady(f"http://{head.authority}"))
-                    status = await tree.wait()
-                    return f"the Gym deployment exited with status {status}:\n{tree.output.text()}"
-                failure = f"{failure}{self._without_global_config()}\n{tree.output.text()}"
-                nursery.cancel_scope.cancel()  # stops the deployment
+        self.state = "starting"
+        try:
+            async with trio.open_nursery() as nursery:
+                try:
+                    tree: ProcessTree = await nursery.start(start)
+                except OSError as exc:
+                    failure = f"cannot start Gym's guard: {exc}"
+                else:
+                    self.tree = tree
+                    failure = await self._until_up(head, tree)
+                    if failure is None:
+                        log_event("gym_ready", head_server=head.authority, deployment=tag)
+                        self.state = "up"
+                        task_status.started(GymReady(f"http://{head.authority}"))
+                        status = await tree.wait()
+                        self.state = "exited"
+                        output = tree.output.text()
+                        return f"the Gym deployment exited with status {status}:\n{output}"
+                    failure = f"{failure}{self._without_global_config()}\n{tree.output.text()}"
+                    nursery.cancel_scope.cancel()  # stops the deployment
+        finally:
+            if self.state != "exited":
+                self.state = "failed" if failure is not None else "stopped"
         raise GymStartFailed(failure)
 
     def _without_global_config(self) -> str:

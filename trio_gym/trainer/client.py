@@ -18,6 +18,7 @@ from typing import Any
 from trio_gym.http import HttpLimits, StreamOpener, open_tcp
 from trio_gym.trainer.deadlines import DeadlineRegistry
 from trio_gym.trainer.host_client import ClientSettings, HostClient
+from trio_gym.trainer.metrics import FleetStats
 from trio_gym.trainer.pool import HostPool, Progress, SilentProgress
 from trio_gym.trainer.scheduler import SchedulerSettings
 
@@ -37,12 +38,15 @@ class RolloutClient(HostClient):
         deadlines: DeadlineRegistry | None = None,
         headers: Sequence[tuple[str, str]] = (),
         identity: str = "",
+        stats: FleetStats | None = None,
     ) -> None:
         super().__init__(
             url, settings, limits=limits, opener=opener, deadlines=deadlines, headers=headers,
             identity=identity,
         )  # fmt: skip
         self.progress: Progress = progress or SilentProgress()
+        self.stats = stats or FleetStats()
+        """What its runs count (:mod:`trio_gym.trainer.metrics`)."""
 
     async def run(self, examples: Sequence[Mapping[str, Any]]) -> list[Any]:
         """Run ``examples``; one result per example, in input order (as
@@ -71,4 +75,5 @@ class RolloutClient(HostClient):
             progress=self.progress,
             limits=self.limits,
             opener=self.opener,
+            stats=self.stats,
         )

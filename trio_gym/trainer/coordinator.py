@@ -114,17 +114,21 @@ class CheckpointCoordinator:
         directory = _made(directory)
         dispatcher = self.dispatcher
         dispatcher.deadlines.pause(holder)
+        started, outcome = trio.current_time(), "failed"  # cancelled, or a bug
         try:
             try:
                 manifest = await self._take(checkpoint_id, directory)
             finally:  # on every path, cancellation included (the resume is shielded, bounded)
                 await self._hosts.resume(checkpoint_id)
+            outcome = "taken"
         except (ControlError, DrainTimeout, CheckpointUnavailable) as failure:
+            outcome = "unavailable"
             self.consecutive_failures += 1
             reason = f"checkpoint {checkpoint_id} unavailable: {failure}"
             log_event("checkpoint_unavailable", checkpoint_id=checkpoint_id, error=str(failure))
             limit = self.settings.max_consecutive_failures
             if self.consecutive_failures >= limit:
+                outcome = "aborted"
                 raise CheckpointAborted(
                     f"{reason} ({self.consecutive_failures} unavailable in a row, "
                     f"max_consecutive_failures={limit})",
@@ -134,6 +138,8 @@ class CheckpointCoordinator:
         finally:
             dispatcher.gate.open()
             dispatcher.deadlines.release(holder)
+            stats = dispatcher.scheduler.stats
+            stats.checkpoint_took(outcome, trio.current_time() - started)
         self.consecutive_failures = 0
         log_event("checkpoint_taken", checkpoint_id=checkpoint_id, directory=str(directory))
         return manifest

@@ -61,6 +61,7 @@ from trio_gym.trainer.errors import Reach, RolloutError
 from trio_gym.trainer.gate import DispatchGate
 from trio_gym.trainer.hosts import Launcher
 from trio_gym.trainer.ledger import Attempt, AttemptState, Ledger
+from trio_gym.trainer.metrics import FleetStats
 from trio_gym.trainer.recovery import LastCheckpoint, recover
 from trio_gym.trainer.scheduler import (
     Connect,
@@ -137,6 +138,7 @@ class Dispatcher:
         scheduler: SchedulerSettings | None = None,
         launcher: Launcher | None = None,
         connect: Connect | None = None,
+        stats: FleetStats | None = None,
     ) -> None:
         self.ledger = ledger or Ledger(incarnation=uuid.uuid4().hex[:8])
         self.gate = DispatchGate()
@@ -149,6 +151,7 @@ class Dispatcher:
             launcher=launcher,
             connect=connect or partial(RemoteHost.launched, deadlines=self.deadlines),
             on_lost=self._host_lost,
+            stats=stats,
         )
         self.admission_closed_rows_total = 0
         self.to_retire: dict[str, set[tuple[str, int]]] = defaultdict(set)
@@ -333,18 +336,24 @@ class Dispatcher:
             with trio.CancelScope() as lost:  # cancelled when the host is lost (_host_lost)
                 self._streams[host].add(lost)
                 rows = member.host.client.stream(payload)
+                stats = self.scheduler.stats
+                stats.chunks_sent += 1
+                stats.chunks_in_flight += 1
                 try:
                     failure = await self._submit(member, keys, rows, budget)
                     if failure is None:
                         lost_some = await self._read_rows(member, keys, rows, budget)
                     elif failure.reach is Reach.UNREACHED:
+                        stats.chunks_requeued += 1
                         lost_some = False
                     else:  # the host may have taken the batch: never re-sent under these ids
+                        stats.chunks_failed[failure.origin.value] += 1
                         log_event("request_unanswered", host=host, error=str(failure))
                         budget.losses.update(dict.fromkeys(keys, failure))
                         await self._lose(host, keys)
                         lost_some = True
                 finally:
+                    stats.chunks_in_flight -= 1
                     self._streams[host].discard(lost)
                     await rows.aclose()
         if lost.cancelled_caught:  # its work is being moved to its heir: follow it there
@@ -389,6 +398,7 @@ class Dispatcher:
             async for row in rows:
                 stale |= await self._settle(keys[row.index], row, budget)
         except RolloutError as error:
+            self.scheduler.stats.chunks_failed[error.origin.value] += 1
             log_event("stream_cut", host=host, error=str(error), missing=len(rows.missing))
             for index in rows.missing:
                 budget.losses[keys[index]] = error
@@ -396,6 +406,7 @@ class Dispatcher:
             if rows.missing:
                 await self.scheduler.until_settled(member)
         else:
+            self.scheduler.stats.chunks_answered += 1
             self.scheduler.succeeded(member)
         missing = [keys[index] for index in rows.missing]
         await self._lose(host, missing)

@@ -35,6 +35,7 @@ from trio_gym.logs import log_event
 from trio_gym.trainer.errors import Reach, RolloutError
 from trio_gym.trainer.host_client import ClientSettings
 from trio_gym.trainer.hosts import HostHandle, Launcher
+from trio_gym.trainer.metrics import FleetStats
 from trio_gym.trainer.scheduler import Member, RemoteHost, Scheduler, SchedulerSettings
 
 
@@ -131,6 +132,7 @@ class HostPool:
         progress: Progress | None = None,
         limits: HttpLimits | None = None,
         opener: StreamOpener = open_tcp,
+        stats: FleetStats | None = None,
     ) -> None:
         self.client_settings = client_settings or ClientSettings()
         connect = partial(
@@ -141,7 +143,10 @@ class HostPool:
             settings,
             launcher=launcher,
             connect=connect,
+            stats=stats,
         )
+        self.stats = self.scheduler.stats
+        """What it counts (:mod:`trio_gym.trainer.metrics`; pass one to share it)."""
         self.progress: Progress = progress or SilentProgress()
 
     async def __aenter__(self) -> HostPool:
@@ -246,9 +251,11 @@ class HostPool:
                     f"to {host}: {error.message}"
                 )
                 break
+            self.stats.chunks_requeued += 1
             log_event("chunk_requeued", chunk=index, host=host, error=str(error))
         if not started:
             task_status.started()
+        self.stats.chunks_failed[final.origin.value] += 1
         batch.answer(index, final, host)
         self.progress.chunk_failed(index, final)
 
@@ -260,6 +267,8 @@ class HostPool:
         log_event("chunk_sending", chunk=index, host=member.name, send=send)
         self.progress.chunk_started(index, send, len(chunk))
         sent = trio.current_time()
+        self.stats.chunks_sent += 1
+        self.stats.chunks_in_flight += 1
         try:
             results = await member.host.client.post(
                 chunk,
@@ -269,6 +278,9 @@ class HostPool:
         except RolloutError as error:
             self.scheduler.failed(member, error)
             return error
+        finally:
+            self.stats.chunks_in_flight -= 1
+        self.stats.chunks_answered += 1
         self.scheduler.succeeded(member)
         batch.answer(index, results, member.name, trio.current_time() - sent)
         self.progress.chunk_finished(index, results)

@@ -43,6 +43,7 @@ from trio_gym.trainer.deadlines import DeadlineRegistry
 from trio_gym.trainer.errors import Origin, Reach, RolloutError
 from trio_gym.trainer.host_client import ClientSettings, HostClient
 from trio_gym.trainer.hosts import HealthStatus, HostHandle, Launcher, LaunchFailed, probe
+from trio_gym.trainer.metrics import FleetStats
 
 
 @attrs.frozen
@@ -173,6 +174,7 @@ class Scheduler:
         launcher: Launcher | None = None,
         connect: Connect | None = None,
         on_lost: OnLost | None = None,
+        stats: FleetStats | None = None,
     ) -> None:
         if not hosts:
             raise ValueError("a scheduler needs at least one host")
@@ -193,6 +195,8 @@ class Scheduler:
         )
         self._places_left = len(hosts)
         """Places whose keeper still runs: a host may yet serve there."""
+        self.stats = stats or FleetStats()
+        self._count_hosts()
         self._open = False
         self._context: contextlib.AbstractAsyncContextManager[Scheduler] | None = None
 
@@ -380,8 +384,18 @@ class Scheduler:
         return min(free, key=lambda m: m.in_flight, default=None)
 
     def _changed_now(self) -> None:
+        self._count_hosts()
         self._changes.note()
         self._grant()
+
+    def _count_hosts(self) -> None:
+        counted: collections.Counter[str] = collections.Counter()
+        for member in self._known.values():
+            if member.ejected is not None:
+                counted["lost" if member.settled else "replacing"] += 1
+            else:
+                counted["suspect" if member.suspect else "healthy"] += 1
+        self.stats.hosts = counted
 
     def _refuse_all(self, error: RolloutError) -> None:
         while self._waiters:
@@ -453,6 +467,7 @@ class Scheduler:
 
     def _eject(self, member: Member, why: str) -> None:
         member.ejected = why
+        self.stats.ejections += 1
         log_event("host_ejected", level=logging.WARNING, host=member.name, why=why)
         self._changed_now()
 
@@ -484,8 +499,10 @@ class Scheduler:
         try:
             handle = await self.launcher.replace(lost.host.handle)
         except LaunchFailed as exc:
+            self.stats.replacements_failed += 1
             lost.ejected = f"{lost.ejected}; its replacement failed: {exc}"
             log_event("host_replace_failed", level=logging.WARNING, host=lost.name, error=str(exc))
             return None
+        self.stats.replacements += 1
         log_event("host_replaced", host=lost.name, by=handle.name)
         return Member(self._connect(handle))
