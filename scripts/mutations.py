@@ -2954,9 +2954,9 @@ MUTATIONS = [
     ),
     Mutation(
         "a connection refused busy is not counted (#26)",
-        "trio_gym/host/admission.py",
-        '                self._stats.connections_refused["busy"] += 1\n',
-        "                pass\n",
+        "trio_gym/host/server.py",
+        '        services.stats.connections_refused["busy"] += 1\n',
+        "        pass\n",
         (
             "tests/test_metrics.py::test_a_full_host_still_answers_its_metrics_and_counts_whom_it_refused",
         ),
@@ -3070,6 +3070,31 @@ MUTATIONS = [
         (
             "tests/test_records.py::test_a_record_gyms_finalizer_cannot_finish_fails_its_row_naming_why",
         ),
+    ),
+    Mutation(
+        "a stopping host still carries out control operations (#26 review)",
+        "trio_gym/host/control.py",
+        "    if services.lifecycle.shutdown_requested.is_set() and operation is not RESUME:\n",
+        "    if False:\n",
+        (
+            "tests/test_metrics.py::test_a_stopping_host_carries_out_no_control_operation_but_a_resume",
+        ),
+    ),
+    Mutation(
+        "a stopping host refuses even the resume that lets go (#26 review)",
+        "trio_gym/host/control.py",
+        "    if services.lifecycle.shutdown_requested.is_set() and operation is not RESUME:\n",
+        "    if services.lifecycle.shutdown_requested.is_set():\n",
+        (
+            "tests/test_metrics.py::test_a_stopping_host_carries_out_no_control_operation_but_a_resume",
+        ),
+    ),
+    Mutation(
+        "the stage gauge lists only the current stage: a host that left ready has no 0 (#26 review)",
+        "trio_gym/host/metrics.py",
+        "            STAGES,\n",
+        "            [lifecycle.stage],\n",
+        ("tests/test_metrics.py::test_metrics_answer_at_every_stage",),
     ),
 ]
 

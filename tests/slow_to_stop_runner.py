@@ -11,7 +11,7 @@ import trio
 
 @attrs.define
 class SlowToStop:
-    cleanup_s: float = 3.0
+    cleanup_s: float = 5.0
 
     def check_example(self, example: Any) -> None:
         pass

@@ -20,7 +20,7 @@ import trio
 import trio.testing
 
 from tests.fake_gym import FakeAgentServer
-from tests.helpers import exchange, request_bytes, tcp_exchange
+from tests.helpers import CountingRunner, exchange, request_bytes, tcp_exchange
 from tests.processes import LogReader, run_trio_gym, write_examples
 from tests.scrape import Samples, parse, scrape, value
 from trio_gym.config import ServeConfig
@@ -28,6 +28,7 @@ from trio_gym.exposition import render
 from trio_gym.host import Host, handle_connection
 from trio_gym.host.metrics import HostCollector
 from trio_gym.host.stats import MAX_FOREIGN_LABELS, OTHER, ForeignLabels
+from trio_gym.protocol.control import PREPARE, RESTORE, RESUME
 
 HANG_GUARD_S = 60
 
@@ -77,6 +78,7 @@ def batch(*examples: Mapping[str, Any], **fields: Any) -> bytes:
 
 
 LONG = {"seed": 1, "meetings": 3, "think_s": 600}
+GET_METRICS = request_bytes(method="GET", target="/metrics")
 
 
 async def hold(port: int, request: bytes) -> trio.SocketStream:
@@ -92,6 +94,16 @@ async def test_each_metric_moves_as_its_event_happens() -> None:
 
         refused = await tcp_exchange(port, request_bytes(b"{not json"))
         assert refused.status == 400
+        # Exactly what happened between two scrapes: the refused request and the scrape itself.
+        mid = await scrape(port)
+        assert (
+            value(mid, "trio_gym_connections_accepted_total")
+            - value(before, "trio_gym_connections_accepted_total")
+            == 2
+        )
+        assert value(mid, "trio_gym_received_bytes_total") - value(
+            before, "trio_gym_received_bytes_total"
+        ) == len(request_bytes(b"{not json")) + len(GET_METRICS)
         done = await tcp_exchange(port, batch({"seed": 1, "meetings": 2}, {"seed": 2}))
         assert done.status == 200 and done.complete
         late = await tcp_exchange(port, batch(LONG, deadline_s=0.5))
@@ -123,7 +135,6 @@ async def test_each_metric_moves_as_its_event_happens() -> None:
     assert grew("trio_gym_heartbeat_lateness_seconds_count") == beats
     assert grew("trio_gym_received_bytes_total") > len(batch(LONG, deadline_s=0.5))
     assert grew("trio_gym_sent_bytes_total") > len(done.body)
-    assert grew("trio_gym_connections_accepted_total") >= 5
 
 
 async def test_a_full_host_still_answers_its_metrics_and_counts_whom_it_refused() -> None:
@@ -136,7 +147,8 @@ async def test_a_full_host_still_answers_its_metrics_and_counts_whom_it_refused(
         for stream in held:
             await stream.aclose()
     assert value(samples, "trio_gym_connections_open") == 2
-    assert value(samples, "trio_gym_connections_refused_total", reason="busy") >= 1
+    # The refused batch, not the scrapes over the cap that were answered.
+    assert value(samples, "trio_gym_connections_refused_total", reason="busy") == 1
     assert value(samples, "trio_gym_requests_refused_total", code="host_busy") == 1
 
 
@@ -196,10 +208,12 @@ async def test_metrics_answer_at_every_stage() -> None:
         process.send_signal(signal.SIGTERM)
         stopping = await until(port, lambda s: value(s, "trio_gym_stage", stage="shutting_down"))
         refused = await tcp_exchange(port, batch({}))
-        with trio.fail_after(HANG_GUARD_S):
+        # It stops once its batch has answered (a 5 s cleanup), not at the end of its 30 s grace.
+        with trio.fail_after(15):
             assert await process.wait() == 0
         await held.aclose()
-    assert value(failed, "trio_gym_stage", stage="ready") == 0
+    ready_series = ("trio_gym_stage", frozenset({("stage", "ready")}))
+    assert failed[ready_series] == 0 and stopping[ready_series] == 0  # listed, at 0
     assert value(ready, "trio_gym_stage", stage="ready") == 1
     assert value(stopping, "trio_gym_batches_in_flight") == 1
     assert refused.json()["error"]["code"] == "shutting_down"
@@ -214,10 +228,18 @@ async def test_monitoring_paths_take_only_get(path: str) -> None:
 
 def test_the_exposition_holds_no_secret_and_only_bounded_labels() -> None:
     host = Host(ServeConfig(control_token="s3cret-token", job_id="job-secret"))
-    host.services.stats.count_end("failed", 1.0, "agent_run_error")
+    for n in range(100):  # an environment naming a new class for every failure, some malformed
+        host.services.stats.count_end("failed", 1.0, f"class_{n}" if n % 2 else f"Class {n}!")
     body, _ = render(HostCollector(host.services, gym_processes=0))
     assert b"s3cret-token" not in body and b"job-secret" not in body
-    labels = {name for (_, pairs) in parse(body.decode()) for name, _ in pairs}
+    samples = parse(body.decode())
+    classes = {
+        dict(pairs)["failure_class"]
+        for (name, pairs) in samples
+        if name == "trio_gym_examples_total"
+    }
+    assert len(classes) <= MAX_FOREIGN_LABELS + 1 and OTHER in classes  # "" for those with none
+    labels = {name for (_, pairs) in samples for name, _ in pairs}
     assert labels == {"stage", "reason", "outcome", "failure_class", "le", "phase"} | {
         "version",
         "runner",
@@ -240,8 +262,8 @@ async def test_a_scrape_during_1000_held_batches_answers_and_the_heartbeats_stay
                 await stream.aclose()
     assert value(during, "trio_gym_connections_open") >= 1000
     beats = value(after, "trio_gym_heartbeats_total") - value(before, "trio_gym_heartbeats_total")
-    assert beats >= 1000  # every batch beat at least once while it was scraped
-    # No beat was written a whole interval late: none skipped.
+    assert beats >= 2 * 1000  # the 2.5 s of scrapes span at least two beats of every batch
+    # No beat was written a whole interval late.
     on_time = "trio_gym_heartbeat_lateness_seconds_bucket"
     assert value(after, on_time, le="1.0") == value(after, on_time, le="+Inf")
 
@@ -389,3 +411,53 @@ async def test_a_heartbeats_lateness_is_measured_from_the_time_it_was_due(
     assert stats.heartbeats_sent == lateness.count == 3
     assert lateness.total == pytest.approx(0.25, abs=0.002)
     assert lateness.counts[lateness.bounds.index(0.25)] == 1  # in the bucket le="0.25"
+
+
+BLOCKED = (
+    "import runpy, sys; sys.modules['prometheus_client'] = None; "
+    "runpy.run_module('trio_gym', run_name='__main__', alter_sys=True)"
+)
+
+
+async def test_without_the_metrics_extra_metrics_say_how_to_get_it() -> None:
+    process = await trio.lowlevel.open_process(
+        [sys.executable, "-c", BLOCKED, "serve", "--port", "0"], stderr=subprocess.PIPE
+    )
+    assert process.stderr is not None
+    logs = LogReader(process.stderr)
+    try:
+        with trio.fail_after(HANG_GUARD_S):
+            port = (await logs.wait_for("listening"))["port"]
+            reply = await tcp_exchange(port, GET_METRICS, method=b"GET")
+            shown = await trio.run_process(
+                [sys.executable, "-c", BLOCKED, "status", f"http://127.0.0.1:{port}"],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+    finally:
+        process.kill()
+        await process.wait()
+    assert reply.status == 501 and reply.json()["error"]["code"] == "not_implemented"
+    assert "pip install 'trio-gym[metrics]'" in reply.json()["error"]["message"]
+    assert shown.returncode == 2 and b"trio-gym[metrics]" in shown.stderr
+    assert b"Traceback" not in shown.stderr
+
+
+async def test_a_stopping_host_carries_out_no_control_operation_but_a_resume() -> None:
+    """It listens on while its batches answer; a control call made meanwhile starts nothing."""
+    host = Host(ServeConfig(port=0, control_token="t"), runner=CountingRunner())
+    host.lifecycle.request_shutdown()
+    answers = {}
+    async with trio.open_nursery() as nursery:
+        for operation in (PREPARE, RESTORE, RESUME):
+            client, server = trio.testing.memory_stream_pair()
+            nursery.start_soon(handle_connection, host, server)
+            headers = [("Authorization", "Bearer t")]
+            request = request_bytes(b"{}", target=operation.path, headers=headers)
+            answers[operation.name] = await exchange(client, request)
+    for name in ("prepare", "restore"):
+        assert answers[name].status == 503
+        assert answers[name].json()["error"]["code"] == "shutting_down"
+    # The resume passed the stop and met its own check: an empty body is not a resume.
+    assert answers["resume"].json()["error"]["code"] == "invalid_request"

@@ -88,7 +88,7 @@ async def test_a_host_killed_mid_batch_fails_only_what_it_had_taken_and_is_repla
             stats = pool.stats
             assert (stats.ejections, stats.replacements, stats.replacements_failed) == (1, 1, 0)
             assert stats.chunks_failed == {"sandbox": 1}  # the dead host's one chunk (of 2)
-            assert stats.hosts == {"healthy": 3, "lost": 1}
+            assert stats.host_states() == {"healthy": 3, "lost": 1}
             assert stats.chunks_answered == 11 and stats.chunks_in_flight == 0
             results = await pool.run(examples(6, sleep_s=0.2))
             assert len({result["pid"] for result in results}) == 3
@@ -127,7 +127,7 @@ async def test_a_replacement_that_fails_to_start_loses_its_slot_not_the_pool(
             ((name, why),) = pool.ejected.items()
             assert why.startswith("its process is gone; its replacement failed: host local-2")
             assert (pool.stats.replacements, pool.stats.replacements_failed) == (0, 1)
-            assert pool.stats.hosts == {"healthy": 1, "lost": 1}
+            assert pool.stats.host_states() == {"healthy": 1, "lost": 1}
             assert "this image no longer starts" in why
             # The pool carries on with the host it has left.
             assert len(await pool.run(examples(4, sleep_s=0))) == 4

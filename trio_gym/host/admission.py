@@ -50,9 +50,7 @@ class Admission:
                 admitted.slots.acquire_nowait()
             except trio.WouldBlock:
                 continue
-            if admitted.busy:
-                self._stats.connections_refused["busy"] += 1
-            else:
+            if not admitted.busy:
                 self._stats.connections_open += 1
                 self._stats.connections_accepted += 1
             return admitted

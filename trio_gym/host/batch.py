@@ -105,14 +105,15 @@ class Batch:
     @property
     def outcome(self) -> str:
         """How it ended, as ``/metrics`` counts it: ``ok``, ``caller_gone``, the error code it
-        was answered with, or ``internal`` (a bug ended it in another state)."""
+        was answered with, or ``cut`` (it ended before its answer did: cut off at the end of a
+        shutdown's grace, or by a bug, which the log names)."""
         if self.state is BatchState.DONE:
             return "ok"
         if self.state is BatchState.ABANDONED:
             return "caller_gone"
         if self.state is BatchState.FAILED and self.failed_with is not None:
             return self.failed_with
-        return ErrorCode.INTERNAL.value
+        return "cut"
 
     def advance(self, to: BatchState, **fields: Any) -> None:
         """Move to ``to``; raises ``RuntimeError`` for a move the table does not allow (a bug)."""

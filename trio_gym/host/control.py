@@ -128,8 +128,14 @@ async def answer_status(services: Services, conn: HttpConnection, head: h11.Requ
 async def answer_operation(
     operation: Operation[Any, Any], services: Services, conn: HttpConnection, head: h11.Request
 ) -> None:
-    """Answer a POST of ``operation`` (the route binds it)."""
+    """Answer a POST of ``operation`` (the route binds it). A stopping host (it still listens
+    while its batches answer) starts nothing new: only a resume, which lets go, is carried out."""
     _authorize(services, head)
+    if services.lifecycle.shutdown_requested.is_set() and operation is not RESUME:
+        raise WireError(
+            ErrorCode.SHUTTING_DOWN,
+            f"the host is shutting down: no {operation.name} now; its provider is replacing it",
+        )
     name = operation.name
     body = await read_body(
         conn, head, max_bytes=MAX_CONTROL_BODY, idle_timeout_s=services.limits.read_timeout_s

@@ -60,6 +60,17 @@ class Failed:
 
 StartupPhase = Starting | Ready | Failed
 
+STAGES: Final = (
+    "starting",
+    "installing",
+    "starting_gym",
+    "starting_runner",
+    "ready",
+    "failed",
+    "shutting_down",
+)
+"""Every value of :attr:`Lifecycle.stage`."""
+
 # Every legal move, by the kind of phase. A move the table does not hold is not made: a stage
 # that had not noticed the failure, or a second failure, never replaces the first cause, the
 # one an orchestrator needs to read.

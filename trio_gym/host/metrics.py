@@ -17,6 +17,7 @@ import trio
 import trio_gym
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.exposition import (
+    PREFIX,
     MetricsUnavailable,
     counter,
     counters_by,
@@ -31,13 +32,20 @@ from trio_gym.protocol.control import CheckpointPhase
 from trio_gym.runners.base import FinalizingRunner
 from trio_gym.runners.gym import GymState
 
+from .lifecycle import STAGES
 from .state import Services
 
 if typing.TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
 
-METRICS_PATH: Final = "/metrics"
-BATCH_OUTCOMES: Final = ("ok", "caller_gone", "deadline_exceeded", "shutting_down", "internal")
+BATCH_OUTCOMES: Final = (
+    "ok",
+    "caller_gone",
+    "deadline_exceeded",
+    "shutting_down",
+    "internal",
+    "cut",
+)
 
 
 async def answer_metrics(services: Services, conn: HttpConnection, head: h11.Request) -> None:
@@ -66,7 +74,7 @@ class HostCollector:
         services = self.services
         stats, lifecycle, episodes = services.stats, services.lifecycle, services.episodes
         yield InfoMetricFamily(
-            "trio_gym_host",
+            f"{PREFIX}host",
             "The host's build and runner.",
             value={"version": trio_gym.__version__, "runner": services.config.runner},
         )
@@ -74,7 +82,7 @@ class HostCollector:
             "stage",
             "The host's stage (1 for the one it is in).",
             "stage",
-            [lifecycle.stage],
+            STAGES,
             lifecycle.stage,
         )
         yield gauge(

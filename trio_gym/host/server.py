@@ -33,11 +33,11 @@ from trio_gym.http.transport import STREAM_BUFFER_BYTES
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import STATUS
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER
-from trio_gym.protocol.rollouts import HEALTH_PATH, RUN_PATH
+from trio_gym.protocol.rollouts import HEALTH_PATH, METRICS_PATH, RUN_PATH
 
 from .admission import Admitted
 from .control import CARRY_OUT, answer_operation, answer_status
-from .metrics import METRICS_PATH, answer_metrics
+from .metrics import answer_metrics
 from .rollouts import answer_rollouts, cancel_keyed
 from .state import Host, Services
 
@@ -173,6 +173,8 @@ async def _refuse(
     wrong_host = error.code is ErrorCode.WRONG_HOST
     refusal = _busy(services.config) if busy and not wrong_host else error
     services.stats.requests_refused[refusal.code.value] += 1
+    if busy:  # over the cap (one that asked for /metrics was answered instead)
+        services.stats.connections_refused["busy"] += 1
     log_event("refused", status=refusal.status, code=refusal.code.value, reason=refusal.message)
     await send_json(conn, refusal.status, refusal.envelope(), headers=refusal.headers)
 

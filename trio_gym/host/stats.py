@@ -13,6 +13,7 @@ import attrs
 from trio_gym.changes import Changes
 from trio_gym.exposition import Histogram
 from trio_gym.http import Traffic
+from trio_gym.protocol.rollouts import RUNNER_ERROR, STALE_ATTEMPT
 
 # Seconds. An example lasts from a fraction of a second (a verifier) to the longest deadline an
 # RL step allows (an hour); a heartbeat is late by milliseconds unless the host is overloaded.
@@ -29,9 +30,10 @@ NO_CLASS: Final = ""
 
 @attrs.define
 class ForeignLabels:
-    """Label values that arrive from outside, bounded (see ``LABEL_PATTERN``)."""
+    """Label values that arrive from outside, bounded (see ``LABEL_PATTERN``); the host's own
+    failure classes are among them from the start, so none of them is ever ``other``."""
 
-    seen: set[str] = attrs.field(factory=set)
+    seen: set[str] = attrs.field(factory=lambda: {RUNNER_ERROR, STALE_ATTEMPT})
 
     def bounded(self, value: object) -> str:
         if not isinstance(value, str) or not LABEL_PATTERN.fullmatch(value):

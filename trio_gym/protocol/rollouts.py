@@ -34,6 +34,8 @@ from .identity import IDENTITY_KEYS, ROLLOUT_KEY, TASK_KEY, numbered
 
 RUN_PATH: Final = "/rollouts/run"
 HEALTH_PATH: Final = "/health"
+METRICS_PATH: Final = "/metrics"
+"""Prometheus text: a host's, and ``trio-gym run --metrics-port``'s."""
 JSON_MEDIA: Final = "application/json"
 NDJSON_MEDIA: Final = "application/x-ndjson"
 """What ``Accept`` asks for to have the answer row by row, one JSON line per finished example."""

@@ -38,6 +38,7 @@ from trio_gym.http import (
 )
 from trio_gym.http.h11_build import h11
 from trio_gym.logs import log_event
+from trio_gym.protocol.rollouts import METRICS_PATH
 
 if typing.TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
@@ -51,8 +52,9 @@ class FleetStats:
     """Counts over every host a trainer sends to. A *chunk* is one request: a pool's chunk of
     a batch, or a dispatcher's slice of a group for one host."""
 
-    hosts: collections.Counter[str] = attrs.field(factory=collections.Counter)
-    """Hosts by state (``HOST_STATES``), as the scheduler last saw them."""
+    hosts: dict[object, collections.Counter[str]] = attrs.field(factory=dict)
+    """Per scheduler counting into these stats while it is open: its hosts by state
+    (``HOST_STATES``)."""
     chunks_in_flight: int = 0
     chunks_sent: int = 0
     chunks_answered: int = 0
@@ -66,6 +68,10 @@ class FleetStats:
     checkpoint_seconds: dict[str, Histogram] = attrs.field(factory=dict)
     """How long checkpoints took, by outcome: taken, unavailable, aborted, failed (cancelled, or
     a bug)."""
+
+    def host_states(self) -> collections.Counter[str]:
+        """Hosts by state, over every open scheduler that counts here."""
+        return sum(self.hosts.values(), collections.Counter())
 
     def checkpoint_took(self, outcome: str, seconds: float) -> None:
         histogram = self.checkpoint_seconds.get(outcome)
@@ -86,7 +92,7 @@ class FleetCollector:
             "trainer_hosts",
             "Hosts by state: healthy, suspect (being probed), replacing, lost.",
             ["state"],
-            (((state,), n) for state, n in stats.hosts.items()),
+            (((state,), n) for state, n in stats.host_states().items()),
             always=[(state,) for state in HOST_STATES],
         )
         yield gauge("trainer_chunks_in_flight", "Requests in flight.", stats.chunks_in_flight)
@@ -143,6 +149,8 @@ async def _answer(stats: FleetStats, stream: trio.SocketStream) -> None:
         await conn.close()
     except ConnectionLost as exc:
         log_event("metrics_caller_gone", level=logging.DEBUG, reason=str(exc))
+    except Exception:  # the boundary: a bug here must not end the run it watches
+        log_event("metrics_request_failed", level=logging.ERROR, exc_info=True)
     finally:
         await conn.aclose()
 
@@ -150,7 +158,7 @@ async def _answer(stats: FleetStats, stream: trio.SocketStream) -> None:
 async def _answer_request(stats: FleetStats, conn: HttpConnection) -> None:
     """Raises the :class:`WireError` to answer instead."""
     head = await read_request_head(conn)
-    if head.method != b"GET" or head.target.partition(b"?")[0] != b"/metrics":
+    if head.method != b"GET" or head.target.partition(b"?")[0] != METRICS_PATH.encode():
         raise WireError(ErrorCode.NOT_FOUND, "this exporter answers GET /metrics only")
     try:
         body, media = render(FleetCollector(stats))

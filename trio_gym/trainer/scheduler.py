@@ -196,7 +196,6 @@ class Scheduler:
         self._places_left = len(hosts)
         """Places whose keeper still runs: a host may yet serve there."""
         self.stats = stats or FleetStats()
-        self._count_hosts()
         self._open = False
         self._context: contextlib.AbstractAsyncContextManager[Scheduler] | None = None
 
@@ -218,12 +217,14 @@ class Scheduler:
         try:
             async with trio.open_nursery() as nursery:
                 self._open = True
+                self._count_hosts()
                 for place in range(len(self._places)):
                     nursery.start_soon(self._keep, place)
                 try:
                     yield self
                 finally:
                     self._open = False
+                    self.stats.hosts.pop(self, None)  # a closed scheduler has no hosts to show
                     nursery.cancel_scope.cancel()
                     self._refuse_all(
                         RolloutError(
@@ -395,7 +396,8 @@ class Scheduler:
                 counted["lost" if member.settled else "replacing"] += 1
             else:
                 counted["suspect" if member.suspect else "healthy"] += 1
-        self.stats.hosts = counted
+        if self._open:
+            self.stats.hosts[self] = counted
 
     def _refuse_all(self, error: RolloutError) -> None:
         while self._waiters:

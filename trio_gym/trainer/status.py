@@ -13,11 +13,11 @@ from typing import Final, TextIO
 import attrs
 import trio
 
-from trio_gym.exposition import EXTRA_ADVICE, PREFIX
+from trio_gym.exposition import EXTRA_ADVICE, PREFIX, MetricsUnavailable
 from trio_gym.http import BodyFailed, Endpoint, HttpLimits, NoResponse, exchange
+from trio_gym.protocol.rollouts import METRICS_PATH
 from trio_gym.trainer.hosts import Health, HealthStatus, HostHandle, probe
 
-METRICS_PATH: Final = "/metrics"
 MAX_METRICS_BYTES: Final = 4 * 1024 * 1024
 COLUMNS: Final = ("HOST", "HEALTH", "STAGE", "BATCHES", "EXAMPLES", "EX/S", "BEAT LATE", "FAILED")
 # Clear the screen and go home: each frame is drawn whole, so a shorter one leaves nothing.
@@ -61,8 +61,8 @@ def parse_metrics(text: str) -> Samples:
     try:
         from prometheus_client.parser import text_string_to_metric_families
     except ImportError as exc:
-        raise RuntimeError(
-            f"trio-gym status reads /metrics with prometheus_client: {EXTRA_ADVICE}"
+        raise MetricsUnavailable(
+            f"reading /metrics needs prometheus_client: {EXTRA_ADVICE}"
         ) from exc
     return {
         (sample.name, frozenset(sample.labels.items())): sample.value
@@ -161,7 +161,7 @@ def _seconds(value: float) -> str:
     return f"{value * 1000:g} ms" if value < 1 else f"{value:g} s"
 
 
-def render(lines: Sequence[Mapping[str, str]]) -> str:
+def table(lines: Sequence[Mapping[str, str]]) -> str:
     """A table: a column per field, as wide as its widest cell."""
     rows = [list(COLUMNS), *([line.get(column, "-") for column in COLUMNS] for line in lines)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
@@ -199,16 +199,16 @@ async def show_status(
     if not live:
         await trio.sleep(interval_s)
         now = await read_all(urls, timeout_s)
-        out.write(render([line_of(n, b) for n, b in zip(now, before, strict=True)]) + "\n")
+        out.write(table([line_of(n, b) for n, b in zip(now, before, strict=True)]) + "\n")
         out.flush()
         return 0 if all(r.health.status is HealthStatus.READY for r in now) else 1
     previous: Sequence[Reading | None] = [None] * len(urls)
     now = before
     while True:
-        table = render([line_of(n, b) for n, b in zip(now, previous, strict=True)])
+        shown = table([line_of(n, b) for n, b in zip(now, previous, strict=True)])
         out.write(
             f"{CLEAR}trio-gym status: {len(urls)} host(s), every {interval_s:g} s "
-            f"(Ctrl-C to quit)\n\n{table}\n"
+            f"(Ctrl-C to quit)\n\n{shown}\n"
         )
         out.flush()
         await trio.sleep(interval_s)
