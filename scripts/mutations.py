@@ -531,8 +531,8 @@ MUTATIONS = [
     Mutation(
         "the control plane's operations answered without the token",
         "trio_gym/host/control.py",
-        "    _authorize(services, head)\n    name = ",
-        "    name = ",
+        "    _authorize(services, head)\n    if services.lifecycle.shutdown_requested",
+        "    if services.lifecycle.shutdown_requested",
         (
             "tests/test_checkpoint_rules.py::test_every_operation_needs_the_token_and_the_plane_is_off_without_one",
         ),
@@ -3095,6 +3095,35 @@ MUTATIONS = [
         "            STAGES,\n",
         "            [lifecycle.stage],\n",
         ("tests/test_metrics.py::test_metrics_answer_at_every_stage",),
+    ),
+    Mutation(
+        "a component choice extends the orchestrator's config_paths instead of replacing them (#27)",
+        "trio_gym/runners/gym.py",
+        "    if selection is None:\n        paths.extend(own)\n",
+        "    paths.extend(own)\n    if selection is None:\n        pass\n",
+        (
+            "tests/test_gym_runner.py::test_a_component_choice_replaces_the_orchestrators_config_paths_by_the_upstream_rule",
+            "tests/test_gym_real.py::test_a_choice_of_the_packages_own_components_replaces_the_orchestrators_config_paths",
+        ),
+    ),
+    Mutation(
+        "a component choice adds the agent config though the package declares the agent (#27)",
+        "trio_gym/runners/gym.py",
+        '    if selection["agent_instance"] not in package.agents:\n',
+        '    if selection.get("agent_config") or selection["agent_instance"] not in package.agents:\n',
+        (
+            "tests/test_gym_runner.py::test_a_component_choice_replaces_the_orchestrators_config_paths_by_the_upstream_rule",
+        ),
+    ),
+    Mutation(
+        "a temp directory too long for Ray's sockets is left for Ray to fail on (#27)",
+        "trio_gym/runners/gym.py",
+        "    if len(longest.encode()) > UNIX_SOCKET_PATH_LIMIT:\n",
+        "    if False:\n",
+        (
+            "tests/test_gym_runner.py::test_a_ray_temp_directory_too_long_for_its_sockets_is_refused_naming_it",
+            "tests/test_gym_real.py::test_a_temp_directory_too_long_for_rays_sockets_fails_the_start_naming_it",
+        ),
     ),
 ]
 

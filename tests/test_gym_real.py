@@ -642,3 +642,57 @@ async def test_metrics_show_the_gym_deployment_its_finalizer_and_gyms_failure_cl
     assert grew("trio_gym_finalizer_calls_total", op="finish") == 4
     assert grew("trio_gym_finalizer_calls_total", op="prepare") == 4
     assert value(after, "trio_gym_finalizer_failures_total", op="finish") == 0
+
+
+async def test_a_choice_of_the_packages_own_components_replaces_the_orchestrators_config_paths(
+    real_gym: RealGym, tmp_path: Path
+) -> None:
+    """As the upstream orchestrator launches a package: its component choice, and always its
+    own config paths beside it — the image's agent config as a fallback, and the conventional
+    path of the resources server, which this package ships under its own file name. Both the
+    agent and the resources server are the package's: only the model is added (issue 27)."""
+    package = weather_package(tmp_path / "environment", real_gym.site)
+    config = gym_global_config(
+        real_gym.stub.url, prebuilt_venvs(tmp_path / "venvs", real_gym.python)
+    )
+    model = config["config_paths"][0]
+    conventional = "resources_servers/weather_tools/configs/weather_tools.yaml"  # exists nowhere
+    image_agent = "responses_api_agents/simple_agent/configs/simple_agent.yaml"
+    config["config_paths"] = [model, conventional, image_agent]
+    config["_nmp_environment_component_selection"] = {
+        "agent_instance": "weather_agent",
+        "agent_config": image_agent,
+        "resources_server_instance": "weather_tools",
+        "resources_server_config": conventional,
+        "model_config": model,
+    }
+    with launched_host(tmp_path, real_gym.python, package, config) as launched:
+        up = await trio.to_thread.run_sync(wait_until_up, launched)
+        rows = [row("weather_agent", "what is the weather in sf?", 0)]
+        with trio.fail_after(HANG_GUARD_S):
+            reply = await tcp_exchange(up.port, request_bytes({"examples": rows}))
+    (result,) = reply.json()["results"]
+    assert result["reward"] == 1.0 and result["agent_ref"] == {"name": "weather_agent"}
+    (replaced,) = [e for e in launched.events() if e["event"] == "gym_config_paths_replaced"]
+    assert replaced["dropped"] == [conventional, image_agent]
+
+
+async def test_a_temp_directory_too_long_for_rays_sockets_fails_the_start_naming_it(
+    real_gym: RealGym, tmp_path: Path
+) -> None:
+    """A sandbox whose TMPDIR lies deep in its work path: Ray, which Gym starts, could not bind
+    its sockets (AF_UNIX paths are at most 107 bytes). The host says so before Gym starts."""
+    deep = tmp_path / ("work-" + "x" * 40) / "tmp"
+    deep.mkdir(parents=True)
+    with deployment(tmp_path, real_gym, TMPDIR=str(deep)) as launched:
+        with trio.fail_after(HANG_GUARD_S):
+            while (listening := launched.event("listening")) is None:  # noqa: ASYNC110 - another process
+                await trio.sleep(0.05)
+            answer = await health(listening["port"])
+            while answer.json()["status"] != "failed":
+                await trio.sleep(0.05)
+                answer = await health(listening["port"])
+    error = answer.json()["error"]["message"]
+    assert answer.json()["stage"] == "starting_gym"
+    assert f"({deep}/ray/session_" in error and "over the 107 bytes" in error
+    assert launched.event("gym_starting") is None  # no Gym process was started for nothing

@@ -30,6 +30,7 @@ from trio_gym.install import load_package
 from trio_gym.runners.gym import (
     DEPLOYMENT_VARIABLE,
     GymStartFailed,
+    check_ray_socket_paths,
     gym_environment,
     gym_global_config,
     gym_python,
@@ -131,24 +132,72 @@ def test_the_operators_uv_directories_reach_gyms_config_unless_it_names_its_own(
     assert own["uv_cache_dir"] == "/mine"
 
 
-def test_the_upstream_component_choice_adds_only_what_the_package_lacks(tmp_path: Path) -> None:
-    package = load_package(native_package(tmp_path / "env"))
+MODEL = "responses_api_models/openai_model/configs/openai_model.yaml"
+IMAGE_AGENT = "responses_api_agents/simple_agent/configs/simple_agent.yaml"
+IMAGE_WEATHER = "resources_servers/weather/configs/weather.yaml"
+
+
+def choice(agent: str, resources: str, *, agent_config: str | None = IMAGE_AGENT) -> Any:
+    """What the upstream orchestrator sends: its component choice, and always its own
+    config_paths (the model, the conventional resources-server path, the agent config)."""
     selection = {
-        "agent_instance": "calendar_agent",  # in the package
-        "agent_config": "responses_api_agents/simple_agent/configs/simple_agent.yaml",
-        "resources_server_instance": "weather",  # not in the package
-        "resources_server_config": "resources_servers/weather/configs/weather.yaml",
-        "model_config": "responses_api_models/openai_model/configs/openai_model.yaml",
+        "agent_instance": agent,
+        "resources_server_instance": resources,
+        "resources_server_config": f"resources_servers/{resources}/configs/{resources}.yaml",
+        "model_config": MODEL,
+        **({} if agent_config is None else {"agent_config": agent_config}),
     }
-    given = {"_nmp_environment_component_selection": selection}
+    own = [MODEL, selection["resources_server_config"], *([agent_config] if agent_config else [])]
+    return {"_nmp_environment_component_selection": selection, "config_paths": own}
+
+
+@pytest.mark.parametrize(
+    ("agent", "resources", "agent_config", "added"),
+    [
+        # The package's own agent and resources server: only the model is the operator's.
+        ("calendar_agent", "calendar_tools", IMAGE_AGENT, [MODEL]),
+        ("calendar_agent", "calendar_tools", None, [MODEL]),
+        # The package's agent with the image's resources server, with and without a fallback
+        # agent config: the agent config is never loaded, the resources server's always.
+        (
+            "calendar_agent",
+            "weather",
+            IMAGE_AGENT,
+            [MODEL, "resources_servers/weather/configs/weather.yaml"],
+        ),
+        (
+            "calendar_agent",
+            "weather",
+            None,
+            [MODEL, "resources_servers/weather/configs/weather.yaml"],
+        ),
+        # An agent the package lacks: its config from the choice, before the model's.
+        ("simple_agent", "calendar_tools", IMAGE_AGENT, [IMAGE_AGENT, MODEL]),
+    ],
+)
+def test_a_component_choice_replaces_the_orchestrators_config_paths_by_the_upstream_rule(
+    tmp_path: Path, agent: str, resources: str, agent_config: str | None, added: list[str]
+) -> None:
+    package = load_package(native_package(tmp_path / "env"))
+    given = choice(agent, resources, agent_config=agent_config)
     config = gym_global_config(given, package, head_port=1, environ={})
     assert "_nmp_environment_component_selection" not in config
-    assert config["config_paths"][2:] == [
-        selection["model_config"],
-        selection["resources_server_config"],
+    assert config["config_paths"] == [
+        str(package.root / "responses_api_agents/calendar/configs/agent.yaml"),
+        str(package.root / "resources_servers/calendar/configs/tools.yaml"),
+        *added,
     ]
+
+
+def test_a_component_choice_needs_the_package_and_a_config_for_an_agent_it_lacks(
+    tmp_path: Path,
+) -> None:
+    package = load_package(native_package(tmp_path / "env"))
+    lacking = choice("simple_agent", "calendar_tools", agent_config=None)
+    with pytest.raises(GymStartFailed, match="no agent 'simple_agent'"):
+        gym_global_config(lacking, package, head_port=1, environ={})
     with pytest.raises(GymStartFailed, match="there is none; set NMP_ENVIRONMENT_PATH"):
-        gym_global_config(given, None, head_port=1, environ={})
+        gym_global_config(choice("calendar_agent", "weather"), None, head_port=1, environ={})
 
 
 def test_gym_gets_the_hosts_environment_but_never_its_control_token(tmp_path: Path) -> None:
@@ -358,3 +407,14 @@ async def test_no_gym_process_outlives_a_host_stopped_or_killed(
         assert gym_processes(tag) == []  # the host exits only once Gym is gone
     else:
         await until_no_gym_process(tag)  # the guard, told by the lifeline, does it alone
+
+
+def test_a_ray_temp_directory_too_long_for_its_sockets_is_refused_naming_it() -> None:
+    check_ray_socket_paths({})  # /tmp/ray/...: 76 bytes
+    short = "/w/" + "x" * 30
+    check_ray_socket_paths({"TMPDIR": short})
+    long = "/sandbox/work/" + "deep/" * 6 + "tmp"
+    with pytest.raises(GymStartFailed, match=r"up to 115 bytes .*over the 107 bytes") as refused:
+        check_ray_socket_paths({"TMPDIR": long})
+    assert f"({long}/ray/session_" in str(refused.value) and "RAY_TMPDIR" in str(refused.value)
+    check_ray_socket_paths({"TMPDIR": long, "RAY_TMPDIR": short})  # Ray's own variable first

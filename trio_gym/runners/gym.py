@@ -68,6 +68,11 @@ REMOVE_SCRATCH_S: Final = 30.0
 # How long asking an interpreter whether it has nemo_gym may take.
 PYTHON_CHECK_TIMEOUT_S: Final = 60.0
 LOOPBACK: Final = "127.0.0.1"
+# AF_UNIX socket paths are at most 107 bytes (108 with the terminating NUL) on Linux. Ray puts
+# its sockets at <temp>/ray/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store,
+# its longest; the session's part is at most this long (a 7-digit pid).
+UNIX_SOCKET_PATH_LIMIT: Final = 107
+RAY_SOCKET_EXAMPLE: Final = "ray/session_2026-12-02_14-07-46_123456_1234567/sockets/plasma_store"
 
 
 class GymStartFailed(Exception):
@@ -125,10 +130,13 @@ def gym_global_config(
     """Gym's global config: ``given`` with the package's configs, a head server, and the
     operator's uv directories.
 
-    - ``config_paths``: the package's (absolute, inside the package) first, then the upstream
-      orchestrator's component choice (``_nmp_environment_component_selection``: an agent or
-      resources server the package lacks, and the operator's model config, resolved by Gym
-      from its search roots), then ``given``'s own.
+    - ``config_paths``: the package's (absolute, inside the package) first; then, with the
+      upstream orchestrator's component choice (``_nmp_environment_component_selection``),
+      what it adds as the upstream host adds it — the operator's model config always, the
+      agent's and the resources server's configs only for what the package does not declare
+      (resolved by Gym from its search roots) — *in place of* ``given``'s own list, which the
+      orchestrator always sends and which would load the image's components beside the
+      package's; without a choice, ``given``'s own list after the package's.
     - ``head_server``: ``127.0.0.1:head_port`` unless ``given`` names it.
     - ``uv_cache_dir`` / ``uv_venv_dir``: from ``UV_CACHE_DIR`` / ``NEMO_GYM_VENV_DIR`` when set
       and ``given`` does not name them (Gym overwrites ``UV_CACHE_DIR`` from its config).
@@ -140,14 +148,18 @@ def gym_global_config(
     paths: list[str] = []
     if package is not None:
         paths.extend(str(package.root / path) for path in package.config_paths)
-    if selection is not None:
-        paths.extend(_selected_paths(selection, package))
     own = config.get("config_paths") or []
     if not isinstance(own, list) or not all(isinstance(path, str) for path in own):
         raise GymStartFailed(
             f"gym_global_config: config_paths must be a list of paths, not {own!r}"
         )
-    paths.extend(own)
+    if selection is None:
+        paths.extend(own)
+    else:
+        chosen = _selected_paths(selection, package)
+        if dropped := [path for path in own if path not in chosen]:
+            log_event("gym_config_paths_replaced", by_selection=chosen, dropped=dropped)
+        paths.extend(chosen)
     if paths:
         config["config_paths"] = list(dict.fromkeys(paths))
     head = config.get("head_server")
@@ -190,6 +202,19 @@ def _selected_paths(selection: Any, package: EnvironmentPackage | None) -> list[
     if selection["resources_server_instance"] not in package.resources_servers:
         paths.append(selection["resources_server_config"])
     return paths
+
+
+def check_ray_socket_paths(env: Mapping[str, str]) -> None:
+    """Raise :class:`GymStartFailed`, naming the path and the limit, when the Ray that Gym would
+    start in ``env`` could not bind its sockets: Gym would fail later, deep in Ray's start."""
+    # Ray's own rule on Linux for where its sessions go: $RAY_TMPDIR/ray, $TMPDIR/ray, /tmp/ray.
+    longest = os.path.join(env.get("RAY_TMPDIR") or env.get("TMPDIR") or "/tmp", RAY_SOCKET_EXAMPLE)
+    if len(longest.encode()) > UNIX_SOCKET_PATH_LIMIT:
+        raise GymStartFailed(
+            f"Ray's socket paths would be up to {len(longest.encode())} bytes ({longest}), over "
+            f"the {UNIX_SOCKET_PATH_LIMIT} bytes a Unix socket path may have: set RAY_TMPDIR "
+            "(or TMPDIR) to a shorter directory for the host"
+        )
 
 
 def gym_environment(
@@ -334,6 +359,8 @@ class GymDeployment:
         tag = secrets.token_hex(8)
         argv = launch_argv(python, config_file)
         env = gym_environment(self.environ, self.config, self.package, python=python, tag=tag)
+        if "ray_head_node_address" not in config:  # Gym starts a Ray of its own
+            check_ray_socket_paths(env)
         log_event("gym_starting", head_server=head.authority, work=str(work), deployment=tag)
         start = partial(
             run_process_tree,
