@@ -3125,6 +3125,16 @@ MUTATIONS = [
             "tests/test_gym_real.py::test_a_temp_directory_too_long_for_rays_sockets_fails_the_start_naming_it",
         ),
     ),
+    Mutation(
+        "a component choice leaves out the resources server the package lacks (#27)",
+        "trio_gym/runners/gym.py",
+        '    if selection["resources_server_instance"] not in package.resources_servers:\n',
+        "    if False:\n",
+        (
+            "tests/test_gym_runner.py::test_a_component_choice_replaces_the_orchestrators_config_paths_by_the_upstream_rule",
+            "tests/test_gym_real.py::test_a_choice_of_the_packages_agent_and_the_images_resources_server_loads_the_images",
+        ),
+    ),
 ]
 
 

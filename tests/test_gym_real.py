@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
+import yaml
 
 from tests.fake_gym import FakeHeadServer, agent_instance
 from tests.helpers import read_reply, request_bytes, tcp_exchange
@@ -53,6 +54,7 @@ from tests.real_gym import (
     weather_package,
 )
 from tests.scrape import scrape, value
+from trio_gym.runners.gym import GLOBAL_CONFIG_NAME
 
 pytestmark = pytest.mark.real_gym
 
@@ -696,3 +698,50 @@ async def test_a_temp_directory_too_long_for_rays_sockets_fails_the_start_naming
     assert answer.json()["stage"] == "starting_gym"
     assert f"({deep}/ray/session_" in error and "over the 107 bytes" in error
     assert launched.event("gym_starting") is None  # no Gym process was started for nothing
+
+
+@pytest.mark.parametrize("fallback", [True, False], ids=["with-agent-config", "without"])
+async def test_a_choice_of_the_packages_agent_and_the_images_resources_server_loads_the_images(
+    real_gym: RealGym, tmp_path: Path, fallback: bool
+) -> None:
+    """The package ships only an agent; the choice names it and the image's weather resources
+    server: the resources server's config comes from the choice, the agent config never, with
+    or without a fallback (the upstream rule), and rows run on the package's agent."""
+    root = tmp_path / "environment"
+    agent_config = "responses_api_agents/pkg_weather/configs/agent.yaml"
+    (root / agent_config).parent.mkdir(parents=True)
+    agent = {
+        "entrypoint": "app.py",
+        "resources_server": {"type": "resources_servers", "name": "example_single_tool_call"},
+        "model_server": {"type": "responses_api_models", "name": "policy_model"},
+    }
+    (root / agent_config).write_text(
+        yaml.safe_dump({"pkg_weather_agent": {"responses_api_agents": {"simple_agent": agent}}})
+    )
+    manifest = {"format": "native-v1", "config_paths": [agent_config], "metadata": {"name": "p"}}
+    (root / "nemo-environment.yaml").write_text(yaml.safe_dump(manifest))
+    venvs = prebuilt_venvs(tmp_path / "venvs", real_gym.python)
+    config = gym_global_config(real_gym.stub.url, venvs)
+    del config["environment_server_routes"]  # the package's own servers route no taskset here
+    model = config["config_paths"][0]
+    image_weather = (
+        "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml"
+    )
+    image_agent = "responses_api_agents/simple_agent/configs/simple_agent.yaml"
+    config["config_paths"] = [model, image_weather, *([image_agent] if fallback else [])]
+    config["_nmp_environment_component_selection"] = {
+        "agent_instance": "pkg_weather_agent",
+        "resources_server_instance": "example_single_tool_call",
+        "resources_server_config": image_weather,
+        "model_config": model,
+        **({"agent_config": image_agent} if fallback else {}),
+    }
+    with launched_host(tmp_path, real_gym.python, root, config) as launched:
+        up = await trio.to_thread.run_sync(wait_until_up, launched)
+        rows = [row("pkg_weather_agent", "what is the weather in sf?", 0)]
+        with trio.fail_after(HANG_GUARD_S):
+            reply = await tcp_exchange(up.port, request_bytes({"examples": rows}))
+    (result,) = reply.json()["results"]
+    assert result["reward"] == 1.0 and result["agent_ref"] == {"name": "pkg_weather_agent"}
+    written = yaml.safe_load((tmp_path / "work" / "gym" / GLOBAL_CONFIG_NAME).read_text())
+    assert written["config_paths"] == [str(root / agent_config), model, image_weather]

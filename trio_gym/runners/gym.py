@@ -68,6 +68,8 @@ REMOVE_SCRATCH_S: Final = 30.0
 # How long asking an interpreter whether it has nemo_gym may take.
 PYTHON_CHECK_TIMEOUT_S: Final = 60.0
 LOOPBACK: Final = "127.0.0.1"
+GLOBAL_CONFIG_NAME: Final = "trio-gym-global-config.yaml"
+"""The config Gym starts from, in its working directory."""
 # AF_UNIX socket paths are at most 107 bytes (108 with the terminating NUL) on Linux. Ray puts
 # its sockets at <temp>/ray/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store,
 # its longest; the session's part is at most this long (a 7-digit pid).
@@ -273,7 +275,7 @@ def launch_argv(python: str, config_file: Path) -> list[str]:
 def write_global_config(work: Path, config: Mapping[str, Any]) -> Path:
     """Write the config Gym starts from into its working directory; return the file."""
     work.mkdir(parents=True, exist_ok=True)
-    config_file = work / "trio-gym-global-config.yaml"
+    config_file = work / GLOBAL_CONFIG_NAME
     config_file.write_text(yaml.safe_dump(dict(config), sort_keys=False), encoding="utf-8")
     return config_file
 
