@@ -646,6 +646,39 @@ async def test_metrics_show_the_gym_deployment_its_finalizer_and_gyms_failure_cl
     assert value(after, "trio_gym_finalizer_failures_total", op="finish") == 0
 
 
+IMAGE_AGENT = "responses_api_agents/simple_agent/configs/simple_agent.yaml"
+
+
+def as_the_orchestrator_chooses(
+    config: dict[str, Any], agent: str, resources: str, resources_config: str, *, fallback: bool
+) -> None:
+    """Put in ``config`` what the upstream orchestrator launches a package with: its component
+    choice, and always its own config paths beside it (the model, the resources server's
+    config, the image's agent config when it gives that fallback)."""
+    model = config["config_paths"][0]
+    config["config_paths"] = [model, resources_config, *([IMAGE_AGENT] if fallback else [])]
+    config["_nmp_environment_component_selection"] = {
+        "agent_instance": agent,
+        "resources_server_instance": resources,
+        "resources_server_config": resources_config,
+        "model_config": model,
+        **({"agent_config": IMAGE_AGENT} if fallback else {}),
+    }
+
+
+async def weather_row_on(
+    tmp_path: Path, gym: RealGym, package: Path, config: dict[str, Any], agent: str
+) -> tuple[dict[str, Any], Launched]:
+    """One weather row through a host launched on ``package`` and ``config``: its result."""
+    with launched_host(tmp_path, gym.python, package, config) as launched:
+        up = await trio.to_thread.run_sync(wait_until_up, launched)
+        rows = [row(agent, "what is the weather in sf?", 0)]
+        with trio.fail_after(HANG_GUARD_S):
+            reply = await tcp_exchange(up.port, request_bytes({"examples": rows}))
+    (result,) = reply.json()["results"]
+    return result, launched
+
+
 async def test_a_choice_of_the_packages_own_components_replaces_the_orchestrators_config_paths(
     real_gym: RealGym, tmp_path: Path
 ) -> None:
@@ -657,26 +690,14 @@ async def test_a_choice_of_the_packages_own_components_replaces_the_orchestrator
     config = gym_global_config(
         real_gym.stub.url, prebuilt_venvs(tmp_path / "venvs", real_gym.python)
     )
-    model = config["config_paths"][0]
     conventional = "resources_servers/weather_tools/configs/weather_tools.yaml"  # exists nowhere
-    image_agent = "responses_api_agents/simple_agent/configs/simple_agent.yaml"
-    config["config_paths"] = [model, conventional, image_agent]
-    config["_nmp_environment_component_selection"] = {
-        "agent_instance": "weather_agent",
-        "agent_config": image_agent,
-        "resources_server_instance": "weather_tools",
-        "resources_server_config": conventional,
-        "model_config": model,
-    }
-    with launched_host(tmp_path, real_gym.python, package, config) as launched:
-        up = await trio.to_thread.run_sync(wait_until_up, launched)
-        rows = [row("weather_agent", "what is the weather in sf?", 0)]
-        with trio.fail_after(HANG_GUARD_S):
-            reply = await tcp_exchange(up.port, request_bytes({"examples": rows}))
-    (result,) = reply.json()["results"]
+    as_the_orchestrator_chooses(
+        config, "weather_agent", "weather_tools", conventional, fallback=True
+    )
+    result, launched = await weather_row_on(tmp_path, real_gym, package, config, "weather_agent")
     assert result["reward"] == 1.0 and result["agent_ref"] == {"name": "weather_agent"}
     (replaced,) = [e for e in launched.events() if e["event"] == "gym_config_paths_replaced"]
-    assert replaced["dropped"] == [conventional, image_agent]
+    assert replaced["dropped"] == [conventional, IMAGE_AGENT]
 
 
 async def test_a_temp_directory_too_long_for_rays_sockets_fails_the_start_naming_it(
@@ -727,21 +748,10 @@ async def test_a_choice_of_the_packages_agent_and_the_images_resources_server_lo
     image_weather = (
         "resources_servers/example_single_tool_call/configs/example_single_tool_call.yaml"
     )
-    image_agent = "responses_api_agents/simple_agent/configs/simple_agent.yaml"
-    config["config_paths"] = [model, image_weather, *([image_agent] if fallback else [])]
-    config["_nmp_environment_component_selection"] = {
-        "agent_instance": "pkg_weather_agent",
-        "resources_server_instance": "example_single_tool_call",
-        "resources_server_config": image_weather,
-        "model_config": model,
-        **({"agent_config": image_agent} if fallback else {}),
-    }
-    with launched_host(tmp_path, real_gym.python, root, config) as launched:
-        up = await trio.to_thread.run_sync(wait_until_up, launched)
-        rows = [row("pkg_weather_agent", "what is the weather in sf?", 0)]
-        with trio.fail_after(HANG_GUARD_S):
-            reply = await tcp_exchange(up.port, request_bytes({"examples": rows}))
-    (result,) = reply.json()["results"]
+    as_the_orchestrator_chooses(
+        config, "pkg_weather_agent", "example_single_tool_call", image_weather, fallback=fallback
+    )
+    result, _ = await weather_row_on(tmp_path, real_gym, root, config, "pkg_weather_agent")
     assert result["reward"] == 1.0 and result["agent_ref"] == {"name": "pkg_weather_agent"}
     written = yaml.safe_load((tmp_path / "work" / "gym" / GLOBAL_CONFIG_NAME).read_text())
     assert written["config_paths"] == [str(root / agent_config), model, image_weather]
