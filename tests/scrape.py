@@ -1,21 +1,13 @@
-"""Reading a host's ``/metrics`` in tests: through Prometheus's own text parser."""
+"""Reading a host's ``/metrics`` in tests, as ``trio-gym status`` reads it: through Prometheus's own
+text parser (``trio_gym.trainer.status.parse_metrics``)."""
 
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.helpers import request_bytes, tcp_exchange
+from trio_gym.trainer.status import Samples
+from trio_gym.trainer.status import parse_metrics as parse
 
-Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
-
-
-def parse(text: str) -> Samples:
-    """Every sample of an exposition, by name and labels, through Prometheus's parser."""
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+__all__ = ["Samples", "parse", "scrape", "value"]
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
