@@ -138,7 +138,6 @@ class World:
     async def _live(self, host: Host, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as life:
             life.start_soon(host.services.checkpoints.watch_lease)
-            await life.start(host.services.keyed.serve)
             task_status.started(life)
             await trio.sleep_forever()
 

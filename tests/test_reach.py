@@ -160,8 +160,10 @@ async def test_a_host_with_an_identity_refuses_another_naming_neither_and_says_i
         assert (await ask("/health", "a-stranger's"))[0] == 421
         status, answered = await ask("/rollouts/run", "the-right-one")
         assert status == 200 and len(answered["results"]) == 1
-        assert (await ask("/rollouts/run", None))[0] == 200  # an operator's curl: no identity
-        status, health = await ask("/health", None)
+        status, refusal = await ask("/rollouts/run", None)  # a neighbour's curl: no identity
+        assert (status, refusal["error"]["code"]) == (403, "identity_required")
+        assert await ask("/health", None) == (200, {"status": "ready"})  # and nothing more
+        status, health = await ask("/health", "the-right-one")
         assert health["identity"] == identity_digest("the-right-one") != "the-right-one"
 
 

@@ -25,7 +25,11 @@ async def test_a_document_cut_cleanly_by_a_proxy_comes_back_whole_through_reatta
             port = int(handle.url.rsplit(":", 1)[1])
             proxy = CuttingProxy(port, cut={0}, after_chunks=2)  # two heartbeats, then the end
             proxy_port = await nursery.start(proxy.serve)
-            client = RolloutClient(f"http://127.0.0.1:{proxy_port}", ClientSettings(chunk_size=4))
+            client = RolloutClient(
+                f"http://127.0.0.1:{proxy_port}",
+                ClientSettings(chunk_size=4),
+                identity=handle.identity,
+            )
             results = await client.run(examples(4, sleep_s=1.0))
             nursery.cancel_scope.cancel()
     assert proxy.cuts_made == 1 and proxy.posts == 2  # the cut one, and its reattach
@@ -44,7 +48,7 @@ async def test_a_row_stream_cut_cleanly_by_a_proxy_goes_on_from_where_it_was(
             port = int(handle.url.rsplit(":", 1)[1])
             proxy = CuttingProxy(port, cut={0}, after_chunks=3)  # row 0 and two heartbeats
             proxy_port = await nursery.start(proxy.serve)
-            client = HostClient(f"http://127.0.0.1:{proxy_port}")
+            client = HostClient(f"http://127.0.0.1:{proxy_port}", identity=handle.identity)
             async with client.stream(batch) as stream:
                 rows = [row async for row in stream]
             nursery.cancel_scope.cancel()
@@ -64,7 +68,9 @@ async def test_a_cut_when_reattaching_is_off_fails_the_chunk_named_and_runs_noth
             proxy = CuttingProxy(port, cut={0}, after_chunks=2)
             proxy_port = await nursery.start(proxy.serve)
             settings = ClientSettings(chunk_size=4, max_reattaches=0)
-            client = RolloutClient(f"http://127.0.0.1:{proxy_port}", settings)
+            client = RolloutClient(
+                f"http://127.0.0.1:{proxy_port}", settings, identity=handle.identity
+            )
             try:
                 await client.run(examples(4, sleep_s=1.0))
             except RolloutError as error:

@@ -44,7 +44,7 @@ from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.batch_file import run_file
 from trio_gym.trainer.metrics import FleetStats, serve_metrics
 from trio_gym.trainer.scheduler import SchedulerSettings
-from trio_gym.trainer.status import show_status
+from trio_gym.trainer.status import read_identity, show_status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -167,6 +167,12 @@ def _parser() -> argparse.ArgumentParser:
     status_cmd.add_argument("urls", nargs="+", metavar="URL", help="a host, e.g. http://h:8080")
     status_cmd.add_argument("--interval", type=float, default=2.0, help="seconds between reads (2)")
     status_cmd.add_argument("--once", action="store_true", help="print once, even on a terminal")
+    status_cmd.add_argument(
+        "--identity-file",
+        type=Path,
+        help="a file holding the identity the hosts were launched with (NMP_HOST_IDENTITY): "
+        "such a host tells anyone without it only whether it is ready",
+    )
 
     demo_cmd = commands.add_parser(
         "demo",
@@ -234,8 +240,15 @@ def _status(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"trio-gym status: {exc}", file=sys.stderr)
         return 2
+    identity = ""
+    if args.identity_file is not None:
+        try:
+            identity = read_identity(args.identity_file)
+        except ValueError as exc:
+            print(f"trio-gym status: {exc}", file=sys.stderr)
+            return 2
     live = sys.stdout.isatty() and not args.once
-    show = partial(show_status, args.urls, interval_s=args.interval, live=live)
+    show = partial(show_status, args.urls, interval_s=args.interval, live=live, identity=identity)
     try:
         return trio.run(show)
     except MetricsUnavailable as exc:

@@ -124,6 +124,12 @@ class ServeConfig(BaseModel):
         gt=0,
         description="Connections served at once; more are answered 503 host_busy.",
     )
+    max_batches: Annotated[int, Setting("NMP_MAX_BATCHES")] = Field(
+        default=1024,
+        gt=0,
+        description="Batches running at once, a caller attached or not (a keyed batch runs on "
+        "for reattach_grace_s after its caller hung up); more are answered 503 host_busy.",
+    )
     shutdown_grace_s: Annotated[PositiveSeconds, Setting("NMP_SHUTDOWN_GRACE_S")] = Field(
         default=10.0,
         description="On SIGTERM, how long in-flight answers get before connections are cut.",
@@ -251,6 +257,18 @@ class ServeConfig(BaseModel):
         ):
             return runner
         raise ValueError("expected 'example', 'agents', 'gym' or 'package.module:factory'")
+
+    @field_validator("control_token", "host_identity")
+    @classmethod
+    def _header_carries_it(cls, value: str) -> str:
+        """Both travel in a header, where nothing but visible ASCII and inner spaces survives:
+        one read from a file with Windows line endings would match no caller, ever."""
+        if value and not (value.isascii() and value.isprintable() and value == value.strip()):
+            raise ValueError(
+                "must be visible ASCII with no space at either end (a header carries it; "
+                "a value read from a file with Windows line endings ends in a CR)"
+            )
+        return value
 
     @field_validator("agents", mode="before")
     @classmethod

@@ -42,6 +42,7 @@ class ErrorCode(enum.StrEnum):
     INTERNAL = "internal"
     UNAUTHORIZED = "unauthorized"
     WRONG_HOST = "wrong_host"
+    IDENTITY_REQUIRED = "identity_required"
     ADMISSION_CLOSED = "admission_closed"
     STALE_ATTEMPT = "stale_attempt"
     STALE_CHECKPOINT = "stale_checkpoint"
@@ -73,6 +74,7 @@ DEFAULT_STATUS: dict[ErrorCode, int] = {
     ErrorCode.INTERNAL: 500,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.WRONG_HOST: 421,
+    ErrorCode.IDENTITY_REQUIRED: 403,
     ErrorCode.ADMISSION_CLOSED: 409,
     ErrorCode.STALE_ATTEMPT: 409,
     ErrorCode.STALE_CHECKPOINT: 409,
@@ -146,7 +148,21 @@ def raise_unwrapped(
     raise group
 
 
+def shown(data: bytes, limit: int = 100) -> str:
+    """Bytes a caller sent, as a message may show them — the one way the host echoes a caller:
+    visible ASCII and spaces as they are, any other byte as ``\\xNN``, at most ``limit``
+    bytes (then how many there were in all)."""
+    text = "".join(chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}" for b in data[:limit])
+    return text if len(data) <= limit else f"{text}... ({len(data)} bytes)"
+
+
+def bounded(text: str, limit: int = 1000) -> str:
+    """A message made elsewhere (a runner's, a validator's), cut to ``limit`` characters."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 REDACTED = "<redacted>"
+MAX_PROBLEMS_SHOWN = 10
 # The user information of a URL (``scheme://user:password@host``): a credential.
 _USERINFO = re.compile(r"(//)[^/@\s]+@")
 
@@ -179,8 +195,15 @@ def describe_validation_error(
     *,
     secrets: frozenset[str] = frozenset(),
 ) -> str:
-    """Every problem on one line: where the value came from, what it was, what is wrong."""
-    return "; ".join(validation_problems(exc, sources, secrets=secrets))
+    """Every problem on one line: where the value came from, what it was, what is wrong —
+    the first ``MAX_PROBLEMS_SHOWN``, then how many more (a body of a million bad rows is not
+    answered with a million lines)."""
+    problems = validation_problems(exc, sources, secrets=secrets)
+    more = len(problems) - MAX_PROBLEMS_SHOWN
+    shown_problems = problems[:MAX_PROBLEMS_SHOWN]
+    if more > 0:
+        shown_problems.append(f"and {more} more problem(s)")
+    return "; ".join(bounded(problem) for problem in shown_problems)
 
 
 def validation_problems(

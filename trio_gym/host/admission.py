@@ -26,6 +26,22 @@ class Admitted:
     slots: trio.CapacityLimiter
 
 
+@attrs.define(eq=False)
+class Ticket:
+    """One connection's place, held until :meth:`release`: its socket's close gives it back
+    (a handler may hold a keyed batch on after that), and its handler's end makes sure."""
+
+    admitted: Admitted
+    _admission: Admission
+    _held: bool = True
+
+    def release(self) -> None:
+        """Give the place back; synchronous, so cancellation cannot lose it; idempotent."""
+        if self._held:
+            self._held = False
+            self._admission.release(self)
+
+
 class Admission:
     """Up to ``max_connections`` connections are served in full; beyond that, a bounded
     overflow (a quarter of the cap, at least 8) hears a clear 503 on short timeouts; beyond
@@ -43,22 +59,23 @@ class Admission:
         overflow = trio.CapacityLimiter(max(8, config.max_connections // 4))
         self.refused = Admitted(True, refusal_limits, overflow)
 
-    def admit(self) -> Admitted | None:
+    def admit(self) -> Ticket | None:
         """Take a slot for a new connection, served or refused; ``None``: drop it."""
         for admitted in (self.served, self.refused):
+            ticket = Ticket(admitted, self)
             try:
-                admitted.slots.acquire_nowait()
+                admitted.slots.acquire_on_behalf_of_nowait(ticket)
             except trio.WouldBlock:
                 continue
             if not admitted.busy:
                 self._stats.connections_open += 1
                 self._stats.connections_accepted += 1
-            return admitted
+            return ticket
         self._stats.connections_refused["dropped"] += 1
         return None
 
-    def release(self, admitted: Admitted) -> None:
-        """Give back what :meth:`admit` took; synchronous, so cancellation cannot lose it."""
-        if not admitted.busy:
+    def release(self, ticket: Ticket) -> None:
+        """Give back what :meth:`admit` took (through its :class:`Ticket`)."""
+        if not ticket.admitted.busy:
             self._stats.connections_open -= 1
-        admitted.slots.release()
+        ticket.admitted.slots.release_on_behalf_of(ticket)

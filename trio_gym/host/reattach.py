@@ -1,25 +1,27 @@
 """Batches a caller may come back to: ``POST /rollouts/run`` with ``Idempotency-Key: <key>``.
 
-A keyed batch runs in the host's own nursery, not its caller's connection, and writes its answer
-(status, heartbeats, then the document or the rows) into an :class:`AnswerLog`. Every caller
-that POSTs the same key and the same request — the body, its ``Accept`` and HTTP version —
-*attaches*: it is sent the log from its start, and then what is added, until the end. Another
-request under a key in use is refused (422 ``idempotency_key_reused``, naming the key).
+A keyed batch is a batch like any other, owned by the connection that sent it (its handler's
+task runs it, :meth:`KeyedBatches.run`); what differs is where it writes its answer — status,
+heartbeats, then the document or the rows — into an :class:`AnswerLog`, which that connection
+reads beside it. Every caller that POSTs the same key and the same request (the body, its
+``Accept`` and HTTP version) *attaches*: it is sent the log from its start, and then what is
+added, until the end. Another request under a key in use is refused (422
+``idempotency_key_reused``, naming the key as sent).
 
-While no caller is attached, the batch runs on for ``reattach_grace_s``; then it is cancelled
-as an unkeyed batch is at its caller's disconnect; ``DELETE`` under the key cancels it now. A
-finished answer is kept for ``answer_retention_s`` and within ``answer_retention_bytes`` of
+The connection's socket is closed once its caller has the answer or is gone; its handler holds
+the batch on: while no caller is attached, for ``reattach_grace_s``, then the batch is given up
+as an unkeyed batch is at its caller's disconnect; a ``DELETE`` under the key gives it up now.
+A finished answer is kept for ``answer_retention_s`` and within ``answer_retention_bytes`` of
 finished answers (the oldest go first; one finished less than the grace ago, or still being
 sent, stays whatever its size: its caller may be coming back), so a caller whose answer was cut
-gets it whole; a key whose answer is no longer kept is refused (410 ``answer_expired``) for as
-long as the host remembers it, never run again.
+gets it whole. A key that ran here and holds no answer any more is refused (410
+``answer_expired``) — :mod:`.keys` remembers it.
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-import logging
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -29,32 +31,14 @@ import trio
 from trio_gym.changes import Changes
 from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, send_body
-from trio_gym.http.h11_build import h11
 from trio_gym.logs import log_event
-from trio_gym.protocol.rollouts import IDEMPOTENCY_KEY_HEADER
 
-MAX_KEY_LENGTH: Final = 255
-REMEMBERED_KEYS: Final = 4096
-"""Keys whose answers were dropped, remembered to refuse them (older ones are forgotten)."""
+from .batch_state import Batch
+from .keys import Gone, KeyMemory
 
-
-def idempotency_key(head: h11.Request) -> str | None:
-    """The request's key, ``None`` without one; ``invalid_request`` for a malformed one."""
-    values = [value for name, value in head.headers if name == IDEMPOTENCY_KEY_HEADER.encode()]
-    if not values:
-        return None
-    if len(values) > 1:
-        raise WireError(
-            ErrorCode.INVALID_REQUEST, f"{IDEMPOTENCY_KEY_HEADER} is given {len(values)} times"
-        )
-    key = values[0].decode("ascii", "replace")
-    if not 1 <= len(key) <= MAX_KEY_LENGTH or not key.isprintable() or " " in key:
-        raise WireError(
-            ErrorCode.INVALID_REQUEST,
-            f"{IDEMPOTENCY_KEY_HEADER} must be 1 to {MAX_KEY_LENGTH} visible ASCII characters "
-            "without spaces (a UUID is one)",
-        )
-    return key
+ANSWER_OVERHEAD_BYTES: Final = 1024
+"""What a kept answer costs beyond its bytes (its records here), counted against the bytes kept:
+a flood of empty answers is bounded too."""
 
 
 @attrs.define(eq=False)
@@ -114,22 +98,25 @@ class LogBody:
 @attrs.define(eq=False)
 class KeyedBatch:
     key: str
+    batch: Batch
+    """The batch itself: its id, and whether it ran."""
     digest: str
     log: AnswerLog = attrs.field(factory=AnswerLog)
     callers: int = 0
+    given_up: bool = False
+    """Its caller said (``DELETE``) that it will not come back."""
     finished_at: float | None = None
     refusal: WireError | None = None
-    """Refused before its answer began (not kept: the same key may run once that passes)."""
+    """Why it was refused before its answer began, for the callers attached by then."""
     caller_changes: Changes = attrs.field(factory=Changes)
-    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    """Around its run: a caller's ``DELETE`` cancels it."""
 
 
-Runs = Callable[[KeyedBatch], Awaitable[None]]
+Runs = Callable[["KeyedCaller"], Awaitable[None]]
 
 
 class KeyedBatches:
-    """The keyed batches of one host: running, finished and kept, and forgotten."""
+    """The keyed batches of one host: running, finished and kept; and the keys that hold
+    nothing any more (:class:`~trio_gym.host.keys.KeyMemory`)."""
 
     def __init__(self, *, grace_s: float, retention_s: float, retention_bytes: int) -> None:
         self.grace_s, self.retention_s, self.retention_bytes = grace_s, retention_s, retention_bytes
@@ -137,121 +124,131 @@ class KeyedBatches:
         self._finished: collections.OrderedDict[str, KeyedBatch] = collections.OrderedDict()
         """Oldest first: in the order they finished."""
         self._finished_bytes = 0
-        self._expired: collections.OrderedDict[str, str] = collections.OrderedDict()
-        """Key -> why its answer is not kept."""
-        self._nursery: trio.Nursery | None = None
+        self.memory = KeyMemory(lifetime_s=retention_s)
         self.reattached_total = 0
-
-    @property
-    def running(self) -> bool:
-        return self._nursery is not None
-
-    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Own the keyed batches (a task of the host's background nursery); they end with it."""
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            try:
-                task_status.started()
-                await trio.sleep_forever()
-            finally:
-                self._nursery = None
 
     def find(self, key: str, digest: str) -> KeyedBatch | None:
         """The batch already known under ``key`` for this request; refuses another request
-        under it, and a key whose answer is no longer kept."""
+        under it, and a key that holds no answer any more."""
         self._forget_old()
         batch = self._batches.get(key)
         if batch is None:
-            if key in self._expired:
+            gone = self.memory.why(key, trio.current_time())
+            if gone is not None:
                 raise WireError(
                     ErrorCode.ANSWER_EXPIRED,
-                    f"{IDEMPOTENCY_KEY_HEADER} {key!r}: {self._expired[key]}; its batch ran "
-                    "here and is not run again under this key",
+                    f"Idempotency-Key: {key} — {self._explain(gone)}; nothing is run "
+                    "again under a key that ran or was given up here: send a new key",
                 )
             return None
         if batch.digest != digest:
             raise WireError(
                 ErrorCode.IDEMPOTENCY_KEY_REUSED,
-                f"{IDEMPOTENCY_KEY_HEADER} {key!r} belongs to another request (another body, "
+                f"Idempotency-Key: {key} belongs to another request (another body, "
                 "Accept or HTTP version); send a new key with each request",
             )
         return batch
 
-    def start(self, key: str, digest: str, run: Runs) -> KeyedBatch:
-        """Register ``key`` and run its batch (``run`` writes into its log) in the host's
-        nursery."""
-        assert self._nursery is not None
-        batch = self._batches[key] = KeyedBatch(key, digest)
-        self._nursery.start_soon(self._run, batch, run)
-        return batch
+    def _explain(self, gone: Gone) -> str:
+        if gone is Gone.EXPIRED:
+            return (
+                f"{gone.value} (answers are kept {self.retention_s:g} s, within "
+                f"{self.retention_bytes} bytes: answer_retention_s, answer_retention_bytes)"
+            )
+        return str(gone.value)
 
-    def cancel(self, key: str) -> bool:
-        """Cancel the running batch under ``key`` now; whether there was one. A key that runs
-        nothing here is remembered as given up, so a POST under it still on its way (held in a
-        proxy) is refused instead of run."""
-        batch = self._batches.get(key)
-        if batch is None:
-            if key not in self._expired:
-                self._expire(key, "its caller gave it up (DELETE) before it arrived")
-            return False
-        if batch.log.ended:
-            return False
-        log_event("keyed_batch_cancelled", key=key)
-        batch.scope.cancel()
-        return True
+    async def run(
+        self, key: str, batch: Batch, digest: str, conn: HttpConnection, run: Runs
+    ) -> None:
+        """Register ``batch`` under ``key`` and run it in this task — the task of ``conn``'s
+        handler, which owns it — while ``conn`` is sent its answer beside it. ``conn`` is closed
+        once its caller has the answer or is gone; the batch runs on here while a caller may
+        come back for it. Raises the refusal (:class:`WireError`) of a batch refused before its
+        answer began, for this handler to answer (its key is free again, unless it ran)."""
+        keyed = self._batches[key] = KeyedBatch(key, batch, digest)
+        caller = KeyedCaller(self, keyed, conn.their_http_version or b"")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._first_caller, keyed, conn)
+            await self._run(keyed, caller, run)
+        if keyed.refusal is not None:
+            raise keyed.refusal
 
-    async def _run(self, batch: KeyedBatch, run: Runs) -> None:
+    async def _first_caller(self, batch: KeyedBatch, conn: HttpConnection) -> None:
         try:
-            with batch.scope:
-                await run(batch)
-        except WireError as refusal:  # before its answer began: not kept, the key is free
-            self._refused(batch, refusal)
-            return
-        except Exception:  # the boundary handle_connection is for an unkeyed batch
-            log_event("keyed_batch_failed", level=logging.ERROR, key=batch.key, exc_info=True)
+            await self._attach(batch, conn)
+        except WireError:
+            return  # refused before it ran: answered on this socket once the run is over
+        except ConnectionLost as exc:
+            log_event("keyed_caller_left", batch=batch.batch.id, key=batch.key, why=str(exc))
+        await conn.close()  # its part is over; the batch runs on in this task
+
+    async def _run(self, batch: KeyedBatch, caller: KeyedCaller, run: Runs) -> None:
+        try:
+            await run(caller)
+        except WireError as refusal:  # refused before its answer began
+            batch.refusal = refusal
+        except Exception:  # a bug: the connection's boundary logs it and answers the first caller
             if not batch.log.started:
                 internal = "the host failed unexpectedly; its log has the details"
-                self._refused(batch, WireError(ErrorCode.INTERNAL, internal))
-                return
+                batch.refusal = WireError(ErrorCode.INTERNAL, internal)
+            raise
         finally:
-            if not batch.log.ended and batch.refusal is None:  # cut off (abandoned, stopping)
+            if not batch.log.ended:  # refused, or cut (abandoned, given up, stopped, a bug)
                 batch.log.breaks()
                 del self._batches[batch.key]
-                why = "cancelled by its caller" if batch.scope.cancel_called else "stopped"
-                self._expire(batch.key, f"its batch was {why} before its answer ended")
+                if batch.batch.ran:  # whatever it ran is never run again under its key
+                    why = Gone.GIVEN_UP if batch.given_up else Gone.STOPPED
+                    self.memory.ran.add(batch.key, why)
         if batch.log.ended:
             batch.finished_at = trio.current_time()
             self._finished[batch.key] = batch
-            self._finished_bytes += batch.log.size
+            self._finished_bytes += batch.log.size + ANSWER_OVERHEAD_BYTES
             self._forget_old()
 
-    def _refused(self, batch: KeyedBatch, refusal: WireError) -> None:
-        batch.refusal = refusal
-        del self._batches[batch.key]
-        batch.log.breaks()
+    def cancel(self, key: str) -> bool:
+        """Give up the batch running under ``key`` now; whether there was one. A key that holds
+        nothing here yet is remembered as given up, so a POST under it still on its way (held in
+        a proxy) is refused instead of run; ``host_busy`` when that cannot be promised."""
+        batch = self._batches.get(key)
+        if batch is None:
+            now = trio.current_time()
+            if self.memory.why(key, now) is None:
+                self.memory.given_up.add(key, now)
+            return False
+        if batch.log.ended:
+            return False
+        batch.given_up = True
+        batch.caller_changes.note()
+        return True
 
     async def until_abandoned(self, batch: KeyedBatch) -> None:
-        """Return once no caller has been attached for ``grace_s``: the batch's watcher."""
+        """Raise :class:`ConnectionLost` once the batch's caller gave it up, or no caller has
+        been attached for ``grace_s``: the batch's watcher."""
         while True:
-            while batch.callers:
+            while batch.callers and not batch.given_up:
                 await batch.caller_changes.wait()
+            if batch.given_up:
+                raise ConnectionLost("its caller gave it up (DELETE under its key)")
             with trio.move_on_after(self.grace_s):
                 await batch.caller_changes.wait()
                 continue
-            if not batch.callers:
-                log_event("keyed_batch_abandoned", key=batch.key, grace_s=self.grace_s)
-                raise ConnectionLost(
-                    f"no caller came back for {IDEMPOTENCY_KEY_HEADER} {batch.key!r} within "
-                    f"{self.grace_s:g} s (reattach_grace_s)"
-                )
+            raise ConnectionLost(
+                f"no caller came back for it within {self.grace_s:g} s (reattach_grace_s)"
+            )
 
-    async def attach(self, batch: KeyedBatch, conn: HttpConnection, *, again: bool) -> None:
-        """Send ``batch``'s answer to ``conn`` from its start, as it grows, until its end."""
+    async def attach(self, batch: KeyedBatch, conn: HttpConnection) -> None:
+        """Send ``batch``'s answer to ``conn``, a caller come back for it, from its start, as it
+        grows, until its end."""
+        self.reattached_total += 1
+        log_event("keyed_batch_attached", batch=batch.batch.id, key=batch.key)
+        try:
+            await self._attach(batch, conn)
+        except ConnectionLost as exc:
+            log_event("keyed_caller_left", batch=batch.batch.id, key=batch.key, why=str(exc))
+
+    async def _attach(self, batch: KeyedBatch, conn: HttpConnection) -> None:
         batch.callers += 1
         batch.caller_changes.note()
-        if again:
-            self.reattached_total += 1
-            log_event("keyed_batch_attached", key=batch.key, callers=batch.callers)
         try:
             await self._send(batch, conn)
         finally:
@@ -303,20 +300,11 @@ class KeyedBatches:
                 break
             if not batch.callers:
                 dropped.append(batch)
-                self._finished_bytes -= batch.log.size
+                self._finished_bytes -= batch.log.size + ANSWER_OVERHEAD_BYTES
         for batch in dropped:
             del self._finished[batch.key]
             del self._batches[batch.key]
-            self._expire(
-                batch.key,
-                f"its answer is no longer kept (answers are kept {self.retention_s:g} s, within "
-                f"{self.retention_bytes} bytes: answer_retention_s, answer_retention_bytes)",
-            )
-
-    def _expire(self, key: str, why: str) -> None:
-        self._expired[key] = why
-        while len(self._expired) > REMEMBERED_KEYS:
-            self._expired.popitem(last=False)
+            self.memory.ran.add(batch.key, Gone.EXPIRED)
 
 
 def request_digest(body: bytes, *, rows: bool, http_version: bytes) -> str:
@@ -329,8 +317,9 @@ def request_digest(body: bytes, *, rows: bool, http_version: bytes) -> str:
 
 @attrs.frozen
 class KeyedCaller:
-    """Whoever attaches to ``batch``: its answer goes into its log, and it is gone once no
-    caller has been attached for the grace (:class:`~trio_gym.host.supervision.Caller`)."""
+    """Whoever attaches to ``batch``: its answer goes into its log, and it is gone once its
+    caller gave it up or no caller has been attached for the grace
+    (:class:`~trio_gym.host.supervision.Caller`)."""
 
     batches: KeyedBatches
     batch: KeyedBatch

@@ -29,7 +29,6 @@ from trio_gym.http import (
     send_json,
 )
 from trio_gym.http.h11_build import h11
-from trio_gym.logs import log_event
 from trio_gym.protocol.identity import EpisodeId
 from trio_gym.protocol.rollouts import (
     IDEMPOTENCY_KEY_HEADER,
@@ -41,8 +40,6 @@ from trio_gym.runners import Runner
 from trio_gym.runners.base import Delivery
 
 from .batch import (
-    Batch,
-    BatchState,
     ExampleFailed,
     ResultsDocument,
     batch_error,
@@ -50,8 +47,10 @@ from .batch import (
     deliver,
     run_examples,
 )
+from .batch_state import Batch, BatchState
 from .episodes import LiveEpisode
-from .reattach import KeyedCaller, idempotency_key, request_digest
+from .keys import idempotency_key
+from .reattach import request_digest
 from .rows import answer_with_rows
 from .state import Services
 from .supervision import Caller, ConnectionCaller, supervise
@@ -171,7 +170,9 @@ async def answer_rollouts(services: Services, conn: HttpConnection, head: h11.Re
 
     Refusals before the status line (503, 400, 406, 408, 413) are raised as :class:`WireError`
     for the caller to send; once the status line has left, every failure goes into the answer.
-    Returns quietly if the caller left (the batch is logged ``abandoned``).
+    Returns quietly if the caller left (the batch is logged ``abandoned``). The batch runs in
+    this task either way; under an ``Idempotency-Key`` it writes its answer into a log its
+    callers read (:mod:`.reattach`), and this task holds it while one may come back for it.
     """
     services.lifecycle.check_accepting()
     rows = wants_rows(head)
@@ -190,24 +191,19 @@ async def answer_rollouts(services: Services, conn: HttpConnection, head: h11.Re
         min_rate=services.limits.min_body_rate,
         advice=TOO_LARGE_ADVICE,
     )
-    keyed = services.keyed
-    if key is None or not keyed.running:  # a host driven without serve: as if unkeyed
-        await run_batch(services, ConnectionCaller(conn), body, rows)
+    batch = Batch(key=key)
+    if key is None:
+        await run_batch(services, ConnectionCaller(conn), batch, body, rows)
         return
-    version = conn.their_http_version or b""
-    digest = request_digest(body, rows=rows, http_version=version)
+    keyed = services.keyed
+    digest = request_digest(body, rows=rows, http_version=conn.their_http_version or b"")
     found = keyed.find(key, digest)
-    again = found is not None
-    if found is None:
-        found = keyed.start(
-            key,
-            digest,
-            lambda own: run_batch(services, KeyedCaller(keyed, own, version), body, rows),
-        )
-    try:
-        await keyed.attach(found, conn, again=again)
-    except ConnectionLost as exc:
-        log_event("keyed_caller_left", key=key, why=str(exc))
+    if found is not None:
+        await keyed.attach(found, conn)
+        return
+    await keyed.run(
+        key, batch, digest, conn, lambda caller: run_batch(services, caller, batch, body, rows)
+    )
 
 
 async def cancel_keyed(services: Services, conn: HttpConnection, head: h11.Request) -> None:
@@ -231,10 +227,11 @@ async def cancel_keyed(services: Services, conn: HttpConnection, head: h11.Reque
     await send_json(conn, 200, {"key": key, "cancelled": services.keyed.cancel(key)})
 
 
-async def run_batch(services: Services, caller: Caller, body: bytes, rows: bool) -> None:
-    """Validate, admit and run one batch, answering ``caller``; refusals before the status
+async def run_batch(
+    services: Services, caller: Caller, batch: Batch, body: bytes, rows: bool
+) -> None:
+    """Validate, admit and run ``batch``, answering ``caller``; refusals before the status
     line are raised as :class:`WireError`."""
-    batch = Batch()
     validate = partial(
         validate_batch,
         body,
@@ -258,6 +255,7 @@ async def run_batch(services: Services, caller: Caller, body: bytes, rows: bool)
     try:
         if not rows:
             refuse_unless_all_admitted(admitted)
+        services.check_batch_room()
         deadline_s = min(request.deadline_s or math.inf, services.config.rollout_deadline_s)
         batch.size = len(request.examples)
         batch.advance(
@@ -284,6 +282,7 @@ async def run_batch(services: Services, caller: Caller, body: bytes, rows: bool)
         except ConnectionLost as exc:
             batch.advance(BatchState.ABANDONED, reason=str(exc))
         finally:
+            batch.log_cut()  # when it ended before its answer did
             services.stats.batches_running -= 1
             services.stats.batches_finished[batch.outcome] += 1
             services.stats.batch_changes.note()

@@ -26,13 +26,12 @@ from trio_gym.protocol.rollouts import NDJSON_MEDIA, SIDECAR_RECORD_FIELD
 from trio_gym.runners.base import Delivery
 
 from .batch import (
-    Batch,
-    BatchState,
     ExampleFailed,
     deliver,
     describe_failure,
     run_examples,
 )
+from .batch_state import Batch, BatchState
 from .episodes import LiveEpisode
 from .state import Services
 from .supervision import Caller, supervise

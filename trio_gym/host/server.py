@@ -17,7 +17,7 @@ from typing import Final
 import trio
 
 from trio_gym.config import ServeConfig
-from trio_gym.errors import ErrorCode, WireError
+from trio_gym.errors import ErrorCode, WireError, shown
 from trio_gym.files import write_whole
 from trio_gym.http import (
     ConnectionLost,
@@ -29,13 +29,13 @@ from trio_gym.http import (
     send_json,
 )
 from trio_gym.http.h11_build import h11
-from trio_gym.http.transport import STREAM_BUFFER_BYTES
+from trio_gym.http.transport import STREAM_BUFFER_BYTES, Transport
 from trio_gym.logs import log_event
 from trio_gym.protocol.control import STATUS
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER
 from trio_gym.protocol.rollouts import HEALTH_PATH, METRICS_PATH, RUN_PATH
 
-from .admission import Admitted
+from .admission import Ticket
 from .control import CARRY_OUT, answer_operation, answer_status
 from .metrics import answer_metrics
 from .rollouts import answer_rollouts, cancel_keyed
@@ -49,9 +49,30 @@ class ListenError(Exception):
     what to change."""
 
 
-async def _answer_health(services: Services, conn: HttpConnection, head: h11.Request) -> None:
+def _health(services: Services) -> tuple[int, dict[str, object], tuple[tuple[str, str], ...]]:
+    """What ``/health`` says now: the lifecycle's answer, or ``host_busy`` while the batches
+    that may run are all running (a batch would not be accepted)."""
     status, document = services.lifecycle.health()
-    await send_json(conn, status, document)
+    if status == 200:
+        try:
+            services.check_batch_room()
+        except WireError as busy:
+            return busy.status, busy.envelope(), busy.headers
+    return status, document, ()
+
+
+async def _answer_health(services: Services, conn: HttpConnection, head: h11.Request) -> None:
+    status, document, headers = _health(services)
+    await send_json(conn, status, document, headers=headers)
+
+
+async def _answer_health_to_stranger(
+    services: Services, conn: HttpConnection, head: h11.Request, *, busy: bool
+) -> None:
+    """A host launched with an identity tells a caller without it whether it is ready, and
+    nothing more (no stage, no error, no digest)."""
+    ready = not busy and _health(services)[0] == 200
+    await send_json(conn, 200 if ready else 503, {"status": "ready" if ready else "not_ready"})
 
 
 async def _answer_options(services: Services, conn: HttpConnection, head: h11.Request) -> None:
@@ -89,7 +110,7 @@ def route_path(target: bytes) -> str:
     and sent by some proxies; ``*`` is for OPTIONS. Authority-form (``CONNECT host:443``) and
     garbage are not paths.
     """
-    text = target.decode("ascii", "replace")
+    text = target.decode("ascii", "replace")  # h11 let through visible ASCII only
     if text == "*":
         return text
     if text.startswith("/"):
@@ -98,10 +119,12 @@ def route_path(target: bytes) -> str:
         try:
             return urllib.parse.urlsplit(text).path or "/"
         except ValueError as exc:
-            raise WireError(ErrorCode.INVALID_REQUEST, f"malformed request target: {exc}") from exc
+            raise WireError(
+                ErrorCode.INVALID_REQUEST, f"malformed request target {shown(target)}"
+            ) from exc
     raise WireError(
         ErrorCode.INVALID_REQUEST,
-        f"the request target {text[:100]!r} is not a path; send e.g. POST /rollouts/run",
+        f"the request target {shown(target)} is not a path; send e.g. POST /rollouts/run",
     )
 
 
@@ -116,25 +139,37 @@ def _all_methods() -> str:
 
 def _route(config: ServeConfig, head: h11.Request, *, busy: bool) -> Handler:
     """The handler of ``head``'s path and method; raises the refusal when there is none. (It
-    returns the handler rather than awaiting it: a frame less kept by every held batch.)"""
-    if config.host_identity:  # before busy: a busy stranger is still a stranger
-        _check_identity(config.host_identity, head)
+    returns the handler rather than awaiting it: a frame less kept by every held batch.)
+
+    A host launched with an identity serves only callers that hold it: a caller without it
+    may ask ``GET /health`` whether the host is ready, and nothing else; one with another
+    identity is refused outright (before busy: a busy stranger is still a stranger)."""
+    holder = _holds_identity(config.host_identity, head)
     path = route_path(head.target)
+    if not holder:
+        if head.method == b"GET" and path == HEALTH_PATH:
+            return partial(_answer_health_to_stranger, busy=busy)
+        raise WireError(
+            ErrorCode.IDENTITY_REQUIRED,
+            f"this host serves only the caller that launched it, which sends its identity in "
+            f"{HOST_IDENTITY_HEADER}: send it (a provider's HostHandle does; see the README, "
+            "'A host answers only the caller that launched it')",
+        )
     if busy and not (head.method == b"GET" and path in WATCHED_WHEN_BUSY):
         raise _busy(config)
     methods = ROUTES.get(path)
     if methods is None:
         raise WireError(
             ErrorCode.NOT_FOUND,
-            f"no such path {path!r}; this host serves GET /health, GET /metrics and "
-            "POST /rollouts/run",
+            f"no such path {shown(path.encode())}; this host serves GET /health, GET /metrics "
+            "and POST /rollouts/run",
         )
     handler = methods.get(head.method)
     if handler is None:
         allowed = _allowed(path)
         raise WireError(
             ErrorCode.METHOD_NOT_ALLOWED,
-            f"{head.method.decode('ascii', 'replace')} is not allowed on {path}; use {allowed}",
+            f"{shown(head.method)} is not allowed on {shown(path.encode())}; use {allowed}",
             headers=[("allow", allowed)],
         )
     return handler
@@ -143,17 +178,24 @@ def _route(config: ServeConfig, head: h11.Request, *, busy: bool) -> Handler:
 _IDENTITY_HEADER: Final = HOST_IDENTITY_HEADER.encode()
 
 
-def _check_identity(identity: str, head: h11.Request) -> None:
-    """Refuse a request meant for another host (its address was this one's before). Neither
-    value is named: the refusal would hand a stranger this host's identity."""
-    for name, value in head.headers:
-        if name == _IDENTITY_HEADER and not hmac.compare_digest(value, identity.encode()):
-            raise WireError(
-                ErrorCode.WRONG_HOST,
-                "this request carries another host's identity: the host it was meant for is "
-                "gone and this one now holds its address; ask that host's provider for the "
-                "host it launched",
-            )
+def _holds_identity(identity: str, head: h11.Request) -> bool:
+    """Whether the request carries ``identity`` (everyone does when it is empty); refuses a
+    request that carries another one, meant for another host (its address was this one's
+    before). Neither value is named: the refusal would hand a stranger this host's identity."""
+    if not identity:
+        return True
+    presented = [value for name, value in head.headers if name == _IDENTITY_HEADER and value]
+    if not presented:
+        return False
+    expected = identity.encode()
+    if not all([hmac.compare_digest(value, expected) for value in presented]):  # each compared
+        raise WireError(
+            ErrorCode.WRONG_HOST,
+            "this request carries another host's identity: the host it was meant for is "
+            "gone and this one now holds its address; ask that host's provider for the "
+            "host it launched",
+        )
+    return True
 
 
 def _busy(config: ServeConfig) -> WireError:
@@ -169,9 +211,9 @@ async def _refuse(
     services: Services, conn: HttpConnection, error: WireError, *, busy: bool
 ) -> None:
     """Answer a refusal of any kind, in one place. Whatever the head held, an over-cap
-    connection hears the same answer — but a caller of another host hears that it is."""
-    wrong_host = error.code is ErrorCode.WRONG_HOST
-    refusal = _busy(services.config) if busy and not wrong_host else error
+    connection hears the same answer — but a caller without this host's identity hears that."""
+    about_identity = error.code in (ErrorCode.WRONG_HOST, ErrorCode.IDENTITY_REQUIRED)
+    refusal = _busy(services.config) if busy and not about_identity else error
     services.stats.requests_refused[refusal.code.value] += 1
     if busy:  # over the cap (one that asked for /metrics was answered instead)
         services.stats.connections_refused["busy"] += 1
@@ -197,50 +239,57 @@ async def handle_connection(
     if isinstance(stream, trio.SocketStream):
         await handle_socket(host, stream.socket)
         return
-    admitted = _admit(host)
-    if admitted is None:
+    ticket = _admit(host)
+    if ticket is None:
         await stream.aclose()
         return
-    limits = admitted.limits
+    limits = ticket.admitted.limits
     transport = StreamTransport(
         stream, send_timeout_s=limits.send_timeout_s, buffer_bytes=buffer_bytes
     )
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(transport.send_queued_forever)
-            traffic = host.services.stats.traffic
-            conn = HttpConnection(transport, h11.SERVER, limits, traffic=traffic)
-            await _answer(host.services, conn, admitted)
+            conn = _connection(host, transport, ticket)
+            await _answer(host.services, conn, ticket.admitted.busy)
             nursery.cancel_scope.cancel()
     finally:
-        host.admission.release(admitted)
+        ticket.release()
 
 
 async def handle_socket(host: Host, sock: trio.socket.SocketType) -> None:
     """:func:`handle_connection` for an accepted socket, as the accept loop hands it over."""
-    admitted = _admit(host)
-    if admitted is None:
+    ticket = _admit(host)
+    if ticket is None:
         sock.close()
         await trio.lowlevel.checkpoint()
         return
-    traffic = host.services.stats.traffic
-    conn = HttpConnection(SocketTransport(sock), h11.SERVER, admitted.limits, traffic=traffic)
     try:
-        await _answer(host.services, conn, admitted)
+        await _answer(
+            host.services, _connection(host, SocketTransport(sock), ticket), ticket.admitted.busy
+        )
     finally:
-        host.admission.release(admitted)
+        ticket.release()
 
 
-def _admit(host: Host) -> Admitted | None:
-    admitted = host.admission.admit()
-    if admitted is None:
+def _admit(host: Host) -> Ticket | None:
+    ticket = host.admission.admit()
+    if ticket is None:
         log_event("connection_dropped", reason="the connection cap and its overflow are full")
-    return admitted
+    return ticket
 
 
-async def _answer(services: Services, conn: HttpConnection, admitted: Admitted) -> None:
+def _connection(host: Host, transport: Transport, ticket: Ticket) -> HttpConnection:
+    """The server's side of an admitted connection; its place is given back when it closes."""
+    traffic = host.services.stats.traffic
+    return HttpConnection(
+        transport, h11.SERVER, ticket.admitted.limits, traffic=traffic, on_close=ticket.release
+    )
+
+
+async def _answer(services: Services, conn: HttpConnection, busy: bool) -> None:
     """Read the request, answer it, close. Never raises (but ``Cancelled``)."""
-    config, busy = services.config, admitted.busy
+    config = services.config
     try:
         try:
             head = await read_request_head(conn)
@@ -352,7 +401,6 @@ async def serve(
     lifecycle, services = host.lifecycle, host.services
     async with trio.open_nursery() as background:
         background.start_soon(services.pacer.run)
-        await background.start(services.keyed.serve)
         async with trio.open_nursery() as connections:
             async with trio.open_nursery() as server_tasks:
                 server_tasks.start_soon(lifecycle.bootstrap, background)

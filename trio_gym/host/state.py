@@ -14,6 +14,7 @@ from collections.abc import Callable
 import attrs
 
 from trio_gym.config import ServeConfig
+from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import HttpLimits, encode_json
 from trio_gym.runners import Runner
 
@@ -54,7 +55,7 @@ class Services:
     checkpoints: Checkpoints
     episodes: Episodes
     keyed: KeyedBatches
-    """Batches sent with an ``Idempotency-Key``: run in ``serve``'s nursery, attachable."""
+    """Batches sent with an ``Idempotency-Key``: attachable, and their keys never run twice."""
     pacer: Pacer
     """Wakes every batch's heartbeat (one timer for all of them; see ``pacer``)."""
 
@@ -64,6 +65,22 @@ class Services:
         plane on. Off, the host runs rows as the upstream host does — two rows of one identity
         both run, and results gain no identity key the row did not carry."""
         return bool(self.config.control_token)
+
+    def check_batch_room(self) -> None:
+        """Return if one more batch may run; else raise ``host_busy``. The one rule that bounds
+        the work a host takes on: ``max_batches`` batches running at once, whether a caller is
+        attached to them or not (a keyed batch runs on after its caller hung up)."""
+        if self.stats.batches_running >= self.config.max_batches:
+            raise batches_full(self.config)
+
+
+def batches_full(config: ServeConfig) -> WireError:
+    return WireError(
+        ErrorCode.HOST_BUSY,
+        f"the host is running its maximum of {config.max_batches} batches; retry shortly, "
+        "or raise max_batches (NMP_MAX_BATCHES)",
+        headers=[("retry-after", "1")],
+    )
 
 
 class Host:

@@ -29,7 +29,7 @@ import trio
 from trio_gym.errors import ErrorCode, WireError, leaves
 from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, send_body
 
-from .batch import Batch
+from .batch_state import Batch
 from .pacer import Pacer
 from .state import Services
 from .stats import HostStats

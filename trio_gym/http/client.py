@@ -328,8 +328,17 @@ def build_request(
     """A request framed by ``Content-Length`` (``0`` included) that closes the connection,
     unless ``keep_alive``.
 
-    Raises ``h11.LocalProtocolError`` for a request HTTP cannot carry (a bug in the caller).
+    Raises ``ValueError`` for a header value HTTP cannot carry — naming the header, never the
+    value (it is often a secret: an identity, a token read from a file with Windows line
+    endings) — and ``h11.LocalProtocolError`` for any other request HTTP cannot carry (a bug in
+    the caller).
     """
+    for name, value in headers:
+        if not (value.isascii() and value.isprintable() and value == value.strip()):
+            raise ValueError(
+                f"the {name} header's value is not visible ASCII with no space at either end "
+                "(a CR from a file with Windows line endings?); its value is not shown"
+            )
     framing = [("host", endpoint.authority), ("content-length", str(len(body)))]
     if not keep_alive:
         framing.append(("connection", "close"))

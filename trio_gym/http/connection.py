@@ -8,6 +8,7 @@ and the trainer client drive their exchanges through it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Final, overload
 
 import attrs
@@ -49,8 +50,10 @@ class HttpConnection:
         *,
         request_version: bytes = b"1.1",
         traffic: Traffic | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.limits = limits
+        self._on_close = on_close
         self._traffic = traffic
         self._request_version = request_version
         self._transport = transport
@@ -348,7 +351,10 @@ class HttpConnection:
             discarded += len(data or b"")
 
     async def aclose(self) -> None:
-        """Close the transport at once, without draining. Idempotent."""
+        """Close the transport at once, without draining; ``on_close`` is called first (it may
+        not wait, so cancellation cannot skip it). Idempotent."""
         if not self._closed:
             self._closed = True
+            if self._on_close is not None:
+                self._on_close()
             await self._transport.aclose()

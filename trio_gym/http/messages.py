@@ -13,15 +13,17 @@ Four ways to send a response — :func:`send_empty`, :func:`send_body`, :func:`s
 
 from __future__ import annotations
 
+import ast
 import functools
 import http
 import json
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import trio
 
-from trio_gym.errors import ErrorCode, WireError
+from trio_gym.errors import ErrorCode, WireError, shown
 from trio_gym.http.connection import HttpConnection
 from trio_gym.http.h11_build import h11
 from trio_gym.http.transport import ConnectionLost
@@ -182,13 +184,73 @@ def declared_length(head: h11.Request | h11.Response) -> int | None:
     return int(lengths[0]) if lengths and not chunked else None
 
 
+# h11 quotes the bytes it refused ("illegal header line: bytearray(b'...')"): a header line
+# holds a secret as often as not (an identity, a bearer token with a stray CR), so they are
+# read back here to say what is wrong with them, and never shown.
+_QUOTED_BYTES: Final = re.compile(
+    r"(?P<what>[^:]*): (?:bytearray\()?(?P<bytes>b(?:'.*'|\".*\"))", re.S
+)
+_TOKEN: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_FORBIDDEN_IN_VALUES: Final = {0x0D: "a CR", 0x0A: "an LF", 0x00: "a NUL", 0x7F: "a DEL"}
+
+
+def protocol_problem(exc: h11.ProtocolError) -> str:
+    """What h11 found wrong with a peer's bytes, in words that never carry those bytes."""
+    text = str(exc)
+    quoted = _QUOTED_BYTES.match(text)
+    if quoted is None:
+        if "b'" in text or 'b"' in text:  # quoted in a way not read back here: not shown
+            return "the bytes are not HTTP/1.x as h11 reads it (they are not shown)"
+        return shown(text.encode(), 200)
+    what = quoted["what"].strip()
+    try:
+        data = ast.literal_eval(quoted["bytes"])
+    except (ValueError, SyntaxError):
+        data = b""
+    if what == "illegal header line" and isinstance(data, bytes):
+        return _header_line_problem(data)
+    if what == "illegal request line":
+        return "the request line is not 'METHOD TARGET HTTP/1.x' in visible ASCII"
+    if what == "illegal status line":
+        return "the status line is not 'HTTP/1.x CODE REASON'"
+    if what == "illegal chunk header":
+        return "a chunk's size line is not a hexadecimal size"
+    if what == "malformed chunk footer":
+        return "a chunk does not end with CRLF where its size says it ends"
+    return f"{shown(what.encode(), 100)} (the bytes are not shown)"
+
+
+def _header_line_problem(line: bytes) -> str:
+    """What is wrong with one header line: the header named when its name is a token, what is
+    wrong with the value said, the value never shown."""
+    name, colon, value = line.partition(b":")
+    if not colon:
+        return "a header line has no ':' between a name and a value (it is not shown)"
+    if not _TOKEN.fullmatch(name):
+        return (
+            "a header line's name is not a token (letters, digits and !#$%&'*+-.^_`|~, with "
+            "no space before the ':'); the line is not shown"
+        )
+    header = shown(name, 64)
+    for byte in value:
+        if byte in _FORBIDDEN_IN_VALUES or (byte < 0x20 and byte != 0x09):
+            found = _FORBIDDEN_IN_VALUES.get(byte, f"the control byte \\x{byte:02x}")
+            hint = " (read from a file with Windows line endings?)" if byte == 0x0D else ""
+            return (
+                f"the value of header {header} holds {found}, which a header value cannot "
+                f"carry{hint}; its value is not shown"
+            )
+    return f"the value of header {header} is not a valid header value; its value is not shown"
+
+
 def refusal_for(exc: h11.RemoteProtocolError) -> WireError:
     """The answer to bytes that are not HTTP or break a limit, from h11's status hint."""
+    problem = protocol_problem(exc)
     if exc.error_status_hint == 431:
-        return WireError(ErrorCode.HEADERS_TOO_LARGE, f"request head too large: {exc}")
+        return WireError(ErrorCode.HEADERS_TOO_LARGE, f"request head too large: {problem}")
     if exc.error_status_hint == 501:
-        return WireError(ErrorCode.NOT_IMPLEMENTED, f"unsupported request framing: {exc}")
-    return WireError(ErrorCode.INVALID_REQUEST, f"malformed HTTP request: {exc}")
+        return WireError(ErrorCode.NOT_IMPLEMENTED, f"unsupported request framing: {problem}")
+    return WireError(ErrorCode.INVALID_REQUEST, f"malformed HTTP request: {problem}")
 
 
 async def read_request_head(conn: HttpConnection) -> h11.Request:
@@ -269,7 +331,9 @@ async def read_body(
             if event is None:
                 raise _too_slow(wait < idle_timeout_s, idle_timeout_s, min_rate, len(body))
         except h11.RemoteProtocolError as exc:
-            raise WireError(ErrorCode.INVALID_REQUEST, f"malformed body: {exc}") from exc
+            raise WireError(
+                ErrorCode.INVALID_REQUEST, f"malformed body: {protocol_problem(exc)}"
+            ) from exc
         if isinstance(event, h11.Data):
             body += event.data
             if len(body) > max_bytes:

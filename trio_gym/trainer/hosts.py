@@ -70,7 +70,10 @@ class HealthStatus(enum.StrEnum):
     WRONG_HOST = "wrong_host"
     """A host answers at the address, but not the one launched there (the address was reused)."""
     BUSY = "busy"
-    """The host answers, but is serving its maximum of connections (``host_busy``)."""
+    """The host answers, but is serving its maximum of connections or batches (``host_busy``)."""
+    NOT_READY = "not_ready"
+    """Not ready, and nothing more: all a host launched with an identity tells a caller
+    without it."""
 
 
 @attrs.frozen

@@ -8,11 +8,13 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Final, TextIO
 
 import attrs
 import trio
 
+from trio_gym.errors import DEFAULT_STATUS, ErrorCode
 from trio_gym.exposition import EXTRA_ADVICE, PREFIX, MetricsUnavailable
 from trio_gym.http import BodyFailed, Endpoint, HttpLimits, NoResponse, exchange
 from trio_gym.protocol.rollouts import METRICS_PATH
@@ -56,6 +58,22 @@ class Reading:
         return found
 
 
+def read_identity(path: Path) -> str:
+    """The identity held in ``path``, its line's end (CRLF too) dropped; ``ValueError`` naming
+    the file — never its content — when it cannot be read or cannot travel in a header."""
+    try:
+        identity = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not ASCII"
+        raise ValueError(f"cannot read the identity file {path}: {reason}") from None
+    if not identity or not identity.isprintable():
+        raise ValueError(
+            f"the identity file {path} holds no identity on one line of visible ASCII "
+            "(its content is not shown)"
+        )
+    return identity
+
+
 def parse_metrics(text: str) -> Samples:
     """Every sample of an exposition, by name and labels (Prometheus's own parser)."""
     try:
@@ -71,10 +89,12 @@ def parse_metrics(text: str) -> Samples:
     }
 
 
-async def read_host(url: str, *, timeout_s: float) -> Reading:
-    """``/health`` and ``/metrics`` of the host at ``url``, each within ``timeout_s``. Raises
-    :class:`MetricsUnavailable` without ``prometheus_client``."""
-    health = await probe(HostHandle(url, url), timeout_s=timeout_s)
+async def read_host(url: str, *, timeout_s: float, identity: str = "") -> Reading:
+    """``/health`` and ``/metrics`` of the host at ``url``, each within ``timeout_s``, as the
+    holder of ``identity`` (a host launched with one tells anyone else only whether it is
+    ready). Raises :class:`MetricsUnavailable` without ``prometheus_client``."""
+    handle = HostHandle(url, url, identity=identity)
+    health = await probe(handle, timeout_s=timeout_s)
     at = trio.current_time()
     why = ""
     samples: Samples | None = None
@@ -87,6 +107,7 @@ async def read_host(url: str, *, timeout_s: float) -> Reading:
                 limits=HttpLimits(),
                 max_response_bytes=MAX_METRICS_BYTES,
                 idle_timeout_s=timeout_s,
+                headers=handle.request_headers(),
             )
         except (NoResponse, BodyFailed) as exc:
             why = str(exc)
@@ -96,6 +117,8 @@ async def read_host(url: str, *, timeout_s: float) -> Reading:
                     samples = parse_metrics(response.body.decode())
                 except ValueError as exc:
                     why = f"/metrics is not Prometheus text: {exc}"
+            elif response.status == DEFAULT_STATUS[ErrorCode.IDENTITY_REQUIRED]:
+                why = "it answers only the holder of its identity: give --identity-file"
             else:
                 why = f"/metrics answered HTTP {response.status}"
     if waited.cancelled_caught:
@@ -171,11 +194,11 @@ def table(lines: Sequence[Mapping[str, str]]) -> str:
     )
 
 
-async def read_all(urls: Sequence[str], timeout_s: float) -> list[Reading]:
+async def read_all(urls: Sequence[str], timeout_s: float, identity: str = "") -> list[Reading]:
     readings: list[Reading | None] = [None] * len(urls)
 
     async def read(index: int) -> None:
-        readings[index] = await read_host(urls[index], timeout_s=timeout_s)
+        readings[index] = await read_host(urls[index], timeout_s=timeout_s, identity=identity)
 
     async with trio.open_nursery() as nursery:
         for index in range(len(urls)):
@@ -190,15 +213,16 @@ async def show_status(
     live: bool,
     out: TextIO = sys.stdout,
     timeout_s: float = 5.0,
+    identity: str = "",
 ) -> int:
     """Print the view (see the module docstring); 0 when every host is ready, 1 otherwise
     (live, it runs until cancelled). Raises :class:`MetricsUnavailable` at once without
     ``prometheus_client``."""
     parse_metrics("")  # not after the first reads: a missing library is said before anything
-    before = await read_all(urls, timeout_s)
+    before = await read_all(urls, timeout_s, identity)
     if not live:
         await trio.sleep(interval_s)
-        now = await read_all(urls, timeout_s)
+        now = await read_all(urls, timeout_s, identity)
         out.write(table([line_of(n, b) for n, b in zip(now, before, strict=True)]) + "\n")
         out.flush()
         return 0 if all(r.health.status is HealthStatus.READY for r in now) else 1
@@ -212,4 +236,4 @@ async def show_status(
         )
         out.flush()
         await trio.sleep(interval_s)
-        previous, now = now, await read_all(urls, timeout_s)
+        previous, now = now, await read_all(urls, timeout_s, identity)
