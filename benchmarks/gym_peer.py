@@ -534,6 +534,7 @@ class Bench:
             **our_env(),
             "NMP_AGENT_MAX_CONNECTIONS": str(max(in_flight, 64)),
             "NMP_MAX_CONNECTIONS": "20000",
+            "NMP_MAX_BATCHES": "20000",
         }
         argv = [sys.executable, "-m", "trio_gym", "serve", "--runner", "agents"]
         argv += ["--head-server", self.gym.head_url, "--port", "0", "--port-file", str(port_file)]

@@ -79,6 +79,7 @@ class Server:
                 NMP_RUNTIME_HTTP_PORT=str(self.port),
                 NMP_HEARTBEAT_INTERVAL_S=str(HEARTBEAT_S),
                 NMP_MAX_CONNECTIONS="20000",
+                NMP_MAX_BATCHES="20000",
                 NMP_MAX_RESPONSE_BYTES=str(1 << 30),
             )
             command = [sys.executable, "-m", "trio_gym", "serve"]

@@ -354,10 +354,16 @@ MUTATIONS = [
     Mutation(
         "the connection slot released after an await (leaks when cancelled)",
         "trio_gym/host/server.py",
-        "    finally:\n        host.admission.release(admitted)\n\n\nasync def handle_socket",
-        "    finally:\n        await trio.lowlevel.checkpoint()\n        host.admission.release(admitted)"
-        "\n\n\nasync def handle_socket",
+        "            nursery.cancel_scope.cancel()\n    finally:\n        ticket.release()",
+        "            nursery.cancel_scope.cancel()\n    finally:\n        await trio.lowlevel.checkpoint()\n        ticket.release()",
         ("tests/test_host_clock.py::test_a_cancelled_connection_gives_back_its_slot",),
+        also=(
+            (
+                "trio_gym/http/connection.py",
+                "            if self._on_close is not None:\n                self._on_close()\n            await self._transport.aclose()",
+                "            await self._transport.aclose()\n            if self._on_close is not None:\n                self._on_close()",
+            ),
+        ),
     ),
     Mutation(
         "no overflow: every over-cap connection is dropped without an answer",
@@ -1891,7 +1897,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a batch's running line written at once, short or not (#17)",
-        "trio_gym/host/batch.py",
+        "trio_gym/host/batch_state.py",
         "            self.unlogged_running = fields\n            return",
         "            self._log(to, level=logging.INFO, fields=fields)\n            return",
         ("tests/test_host_clock.py::test_a_short_batch_is_one_log_line_and_a_lasting_one_two",),
@@ -1905,7 +1911,7 @@ MUTATIONS = [
     ),
     Mutation(
         "a short batch's one line loses what the running line would have said (#17)",
-        "trio_gym/host/batch.py",
+        "trio_gym/host/batch_state.py",
         "            fields = {**self.unlogged_running, **fields}",
         "            fields = dict(fields)",
         ("tests/test_host_clock.py::test_a_short_batch_is_one_log_line_and_a_lasting_one_two",),
@@ -2247,9 +2253,8 @@ MUTATIONS = [
     Mutation(
         "the host serves a request carrying another host's identity (#23)",
         "trio_gym/host/server.py",
-        "    if config.host_identity:  # before busy: a busy stranger is still a stranger\n"
-        "        _check_identity(config.host_identity, head)",
-        "    pass",
+        "    holder = _holds_identity(config.host_identity, head)",
+        "    holder = True",
         (
             "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
             "tests/test_reach.py::test_a_second_host_on_the_first_ones_port_refuses_the_first_ones_caller",
@@ -2258,8 +2263,8 @@ MUTATIONS = [
     Mutation(
         "the refusal of another identity names the identity the host holds (#23)",
         "trio_gym/host/server.py",
-        '                "host it launched",',
-        '                f"host it launched (this one is {identity})",',
+        '            "provider for the host it launched",',
+        '            f"provider for the host it launched (this one is {identity})",',
         (
             "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
         ),
@@ -2559,8 +2564,8 @@ MUTATIONS = [
     Mutation(
         "the host runs a keyed request again instead of attaching it (#24)",
         "trio_gym/host/rollouts.py",
-        "    if key is None or not keyed.running:",
-        "    if True:",
+        "    if found is not None:\n        await keyed.attach(found, conn)\n        return\n",
+        "",
         (
             "tests/test_reattach.py::test_a_second_post_with_the_same_key_attaches_and_gets_the_answer_from_its_start",
             "tests/test_reattach_real.py::test_a_document_cut_cleanly_by_a_proxy_comes_back_whole_through_reattach",
@@ -2586,8 +2591,8 @@ MUTATIONS = [
     Mutation(
         "a keyed batch no caller comes back for runs on forever (#24)",
         "trio_gym/host/reattach.py",
-        '            if not batch.callers:\n                log_event("keyed_batch_abandoned"',
-        '            if False:\n                log_event("keyed_batch_abandoned"',
+        '            raise ConnectionLost(\n                f"no caller came back',
+        '            continue\n            raise ConnectionLost(\n                f"no caller came back',
         (
             "tests/test_reattach.py::test_a_keyed_batch_no_caller_comes_back_for_is_cancelled_at_its_grace",
         ),
@@ -2618,8 +2623,8 @@ MUTATIONS = [
     Mutation(
         "a key whose answer was dropped runs its batch again (#24)",
         "trio_gym/host/reattach.py",
-        "            if key in self._expired:",
-        "            if False:",
+        "            self.memory.ran.add(batch.key, Gone.EXPIRED)",
+        "            pass",
         (
             "tests/test_reattach.py::test_a_finished_answer_is_handed_out_again_until_its_retention_then_refused",
             "tests/test_reattach.py::test_a_keyed_batch_no_caller_comes_back_for_is_cancelled_at_its_grace",
@@ -2628,8 +2633,8 @@ MUTATIONS = [
     Mutation(
         "a keyed request refused before it ran keeps its key (#24)",
         "trio_gym/host/reattach.py",
-        "        batch.refusal = refusal\n        del self._batches[batch.key]\n",
-        "        batch.refusal = refusal\n",
+        "                batch.log.breaks()\n                del self._batches[batch.key]\n",
+        "                batch.log.breaks()\n                if batch.batch.ran:\n                    del self._batches[batch.key]\n",
         (
             "tests/test_reattach.py::test_a_keyed_request_refused_before_it_runs_leaves_its_key_free",
         ),
@@ -2716,10 +2721,10 @@ MUTATIONS = [
         ),
     ),
     Mutation(
-        "a bug in a keyed batch escapes into the host's services (#24 review)",
-        "trio_gym/host/reattach.py",
-        "        except Exception:  # the boundary handle_connection is for an unkeyed batch",
-        "        except ZeroDivisionError:",
+        "a bug in a batch, keyed or not, escapes its connection's boundary (#24 review, #36)",
+        "trio_gym/host/server.py",
+        "    except Exception:  # the boundary: a bug must not take the server down with it",
+        "    except ZeroDivisionError:",
         ("tests/test_reattach.py::test_a_bug_in_a_keyed_batch_is_a_500_and_the_host_lives",),
     ),
     Mutation(
@@ -2734,8 +2739,8 @@ MUTATIONS = [
     Mutation(
         "a DELETE that finds nothing leaves the key free for a late POST (#24 review)",
         "trio_gym/host/reattach.py",
-        '            if key not in self._expired:\n                self._expire(key, "its caller gave it up (DELETE) before it arrived")',
-        '            if False:\n                self._expire(key, "its caller gave it up (DELETE) before it arrived")',
+        "            if self.memory.why(key, now) is None:\n                self.memory.given_up.add(key, now)",
+        "            pass",
         (
             "tests/test_reattach.py::test_a_request_given_up_before_it_arrives_is_refused_when_it_does",
         ),
@@ -2752,8 +2757,8 @@ MUTATIONS = [
     Mutation(
         "a malformed body escapes as the host's own fault, a 500 (#25 fuzz)",
         "trio_gym/http/messages.py",
-        '        except h11.RemoteProtocolError as exc:\n            raise WireError(ErrorCode.INVALID_REQUEST, f"malformed body: {exc}") from exc',
-        '        except ZeroDivisionError as exc:\n            raise WireError(ErrorCode.INVALID_REQUEST, f"malformed body: {exc}") from exc',
+        '        except h11.RemoteProtocolError as exc:\n            raise WireError(\n                ErrorCode.INVALID_REQUEST, f"malformed body: {protocol_problem(exc)}"',
+        '        except ZeroDivisionError as exc:\n            raise WireError(\n                ErrorCode.INVALID_REQUEST, f"malformed body: {protocol_problem(exc)}"',
         (
             "tests/test_http_fuzz.py::test_mutated_requests_never_kill_the_host_and_each_gets_http_or_a_close",
         ),
@@ -2930,14 +2935,14 @@ MUTATIONS = [
     ),
     Mutation(
         "a batch answered deadline_exceeded counted as internal (#26)",
-        "trio_gym/host/batch.py",
+        "trio_gym/host/batch_state.py",
         '            self.failed_with = fields.get("code")\n',
         "            self.failed_with = None\n",
         ("tests/test_metrics.py::test_each_metric_moves_as_its_event_happens",),
     ),
     Mutation(
         "a batch whose caller left counted as ok (#26)",
-        "trio_gym/host/batch.py",
+        "trio_gym/host/batch_state.py",
         '            return "caller_gone"\n',
         '            return "ok"\n',
         ("tests/test_metrics.py::test_each_metric_moves_as_its_event_happens",),
@@ -3133,6 +3138,195 @@ MUTATIONS = [
         (
             "tests/test_gym_runner.py::test_a_component_choice_replaces_the_orchestrators_config_paths_by_the_upstream_rule",
             "tests/test_gym_real.py::test_a_choice_of_the_packages_agent_and_the_images_resources_server_loads_the_images",
+        ),
+    ),
+    Mutation(
+        "DELETEs of keys never seen kept among the keys that ran, in one bounded list (#36)",
+        "trio_gym/host/reattach.py",
+        "                self.memory.given_up.add(key, now)",
+        "                self.memory.ran.add(key, Gone.GIVEN_UP_BEFORE)",
+        (
+            "tests/test_keys.py::test_an_expired_key_stays_refused_after_any_number_of_deletes_and_posts_of_other_keys",
+        ),
+        also=(
+            (
+                "trio_gym/host/keys.py",
+                "        ran_capacity: int = 1 << 20,\n        ran_segment: int = 1 << 16,",
+                "        ran_capacity: int = 4096,\n        ran_segment: int = 64,",
+            ),
+        ),
+    ),
+    Mutation(
+        "a DELETE that cannot be remembered makes room by forgetting another (#36)",
+        "trio_gym/host/keys.py",
+        "        if len(self._until) >= self._capacity:\n",
+        "        if len(self._until) >= self._capacity:\n            self._until.popitem(last=False)\n        if False:\n",
+        (
+            "tests/test_keys.py::test_a_delete_that_cannot_be_remembered_is_refused_and_evicts_nothing",
+        ),
+    ),
+    Mutation(
+        "a key that ran is looked up only among the newest keys remembered (#36)",
+        "trio_gym/host/keys.py",
+        "        for digests, reasons in reversed(self._segments):  # the newest first",
+        "        for digests, reasons in list(self._segments)[-1:]:",
+        (
+            "tests/test_keys.py::test_keys_that_ran_are_forgotten_oldest_first_and_only_as_more_keys_run",
+        ),
+    ),
+    Mutation(
+        "a key whose batch was cut before its answer ended runs again (#36)",
+        "trio_gym/host/reattach.py",
+        "                    self.memory.ran.add(batch.key, why)",
+        "                    pass",
+        (
+            "tests/test_reattach.py::test_a_keyed_batch_no_caller_comes_back_for_is_cancelled_at_its_grace",
+        ),
+    ),
+    Mutation(
+        "keys decoded lossily, any bytes taken (#36)",
+        "trio_gym/host/keys.py",
+        "    if not 1 <= len(key) <= MAX_KEY_LENGTH or not _KEY_BYTES.issuperset(key):",
+        "    if not 1 <= len(key) <= MAX_KEY_LENGTH:",
+        (
+            "tests/test_keys.py::test_a_key_outside_visible_ascii_is_refused_naming_the_rule_never_its_bytes",
+            "tests/test_keys.py::test_two_keys_that_differ_in_one_byte_are_two_keys_or_both_refused",
+        ),
+        also=(
+            (
+                "trio_gym/host/keys.py",
+                '    return key.decode("ascii")',
+                '    return key.decode("ascii", "replace")',
+            ),
+        ),
+    ),
+    Mutation(
+        "a refusal quotes the key escaped, not as sent (#36)",
+        "trio_gym/host/reattach.py",
+        '                f"Idempotency-Key: {key} belongs to another request',
+        '                f"Idempotency-Key: {key!r} belongs to another request',
+        ("tests/test_keys.py::test_a_refusal_quotes_the_key_as_it_was_sent",),
+    ),
+    Mutation(
+        "batches not bounded by max_batches (#36)",
+        "trio_gym/host/rollouts.py",
+        "        services.check_batch_room()\n",
+        "",
+        (
+            "tests/test_reattach.py::test_keyed_batches_whose_callers_hung_up_after_the_head_never_run_more_than_the_limit",
+            "tests/test_reattach.py::test_health_says_busy_while_every_batch_that_may_run_runs",
+        ),
+    ),
+    Mutation(
+        "/health says ready while every batch that may run runs (#36)",
+        "trio_gym/host/server.py",
+        "    if status == 200:\n        try:\n            services.check_batch_room()",
+        "    if False:\n        try:\n            services.check_batch_room()",
+        ("tests/test_reattach.py::test_health_says_busy_while_every_batch_that_may_run_runs",),
+    ),
+    Mutation(
+        "a keyed batch holds its caller's socket (and connection place) until the batch ends (#36)",
+        "trio_gym/host/reattach.py",
+        "        await conn.close()  # its part is over; the batch runs on in this task",
+        "        pass",
+        (
+            "tests/test_reattach.py::test_keyed_batches_whose_callers_hung_up_after_the_head_never_run_more_than_the_limit",
+        ),
+    ),
+    Mutation(
+        "a batch's lines do not name its key (#36)",
+        "trio_gym/host/batch_state.py",
+        '        named: dict[str, Any] = {"key": self.key} if self.key is not None else {}',
+        "        named: dict[str, Any] = {}",
+        (
+            "tests/test_reattach.py::test_every_line_of_a_keyed_batch_names_its_batch_and_key_until_its_one_end",
+        ),
+    ),
+    Mutation(
+        "a keyed caller's lines name its key but not its batch (#36)",
+        "trio_gym/host/reattach.py",
+        '            log_event("keyed_caller_left", batch=batch.batch.id, key=batch.key, why=str(lost))',
+        '            log_event("keyed_caller_left", key=batch.key, why=str(lost))',
+        (
+            "tests/test_reattach.py::test_every_line_of_a_keyed_batch_names_its_batch_and_key_until_its_one_end",
+        ),
+    ),
+    Mutation(
+        "a DELETE waits for the batch's attached callers to go (#36)",
+        "trio_gym/host/reattach.py",
+        "            while batch.callers and not batch.given_up:",
+        "            while batch.callers:",
+        (
+            "tests/test_reattach.py::test_a_client_that_gives_its_request_up_has_the_batch_cancelled_at_once",
+        ),
+    ),
+    Mutation(
+        "a caller without the host's identity is served (#36)",
+        "trio_gym/host/server.py",
+        "    if not presented:\n        return False",
+        "    if not presented:\n        return True",
+        (
+            "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
+            "tests/test_keys.py::test_a_host_with_an_identity_takes_no_delete_and_remembers_nothing_from_a_stranger",
+        ),
+    ),
+    Mutation(
+        "a stranger's /health says all a holder's does (#36)",
+        "trio_gym/host/server.py",
+        "            return partial(_answer_health_to_stranger, busy=busy)",
+        "            return _answer_health",
+        (
+            "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
+        ),
+    ),
+    Mutation(
+        "a refused header line quoted whole (#36)",
+        "trio_gym/http/messages.py",
+        "    problem = protocol_problem(exc)",
+        "    problem = str(exc)",
+        (
+            "tests/test_host_wire.py::test_a_refused_header_line_is_named_never_quoted_in_the_answer_or_the_log",
+        ),
+    ),
+    Mutation(
+        "a path echoed whole in a 404 (#36)",
+        "trio_gym/host/server.py",
+        '            f"no such path {shown(path.encode())}; this host serves GET /health, GET /metrics "',
+        '            f"no such path {path}; this host serves GET /health, GET /metrics "',
+        (
+            "tests/test_host_wire.py::test_a_refusal_echoes_a_bounded_escaped_piece_of_what_the_caller_sent",
+        ),
+    ),
+    Mutation(
+        "every validation problem listed, however many (#36)",
+        "trio_gym/errors.py",
+        "    shown_problems = problems[:MAX_PROBLEMS_SHOWN]",
+        "    shown_problems = problems",
+        (
+            "tests/test_host_wire.py::test_a_refusal_echoes_a_bounded_escaped_piece_of_what_the_caller_sent",
+        ),
+    ),
+    Mutation(
+        "an identity or token no header can carry accepted at start (#36)",
+        "trio_gym/config.py",
+        "        if value and not (value.isascii() and value.isprintable() and value == value.strip()):",
+        "        if False:",
+        (
+            "tests/test_config.py::test_an_identity_or_token_no_header_can_carry_is_refused_at_start_never_shown",
+        ),
+    ),
+    Mutation(
+        "kept answers counted by their bytes alone (#36)",
+        "trio_gym/host/reattach.py",
+        "            self._finished_bytes += batch.log.size + ANSWER_OVERHEAD_BYTES",
+        "            self._finished_bytes += batch.log.size",
+        ("tests/test_reattach.py::test_finished_answers_beyond_the_bytes_kept_go_oldest_first",),
+        also=(
+            (
+                "trio_gym/host/reattach.py",
+                "                self._finished_bytes -= batch.log.size + ANSWER_OVERHEAD_BYTES",
+                "                self._finished_bytes -= batch.log.size",
+            ),
         ),
     ),
 ]

@@ -256,6 +256,19 @@ def test_a_secret_in_a_bad_variable_is_never_echoed() -> None:
     assert "NMP_GYM_GLOBAL_CONFIG=<redacted>" in str(caught.value)
 
 
+@pytest.mark.parametrize("variable", ["NMP_HOST_IDENTITY", "NMP_CONTROL_TOKEN"])
+@pytest.mark.parametrize("stray", ["\r", "\x00", " ", "\n"])
+def test_an_identity_or_token_no_header_can_carry_is_refused_at_start_never_shown(
+    variable: str, stray: str
+) -> None:
+    """A value read from a file with Windows line endings would match no caller, ever: the
+    host says so at once (and not the value) rather than refusing every request."""
+    with pytest.raises(ConfigError) as caught:
+        load_serve_config(environ={variable: f"sk-{SECRET_NUMBER}{stray}"})
+    assert SECRET_NUMBER not in str(caught.value)
+    assert f"{variable}=<redacted>" in str(caught.value) and "visible ASCII" in str(caught.value)
+
+
 def test_a_host_env_value_is_never_echoed() -> None:
     with pytest.raises(ConfigError) as caught:
         load_caller_config({"host_env": {"GYM_SEED": int(SECRET_NUMBER)}}, source="trainer.yaml")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import random
 import socket
 import struct
@@ -28,6 +29,7 @@ from trio_gym.config import ServeConfig
 from trio_gym.host.supervision import PROBE_DELAY_S, probe_delay_s
 from trio_gym.http import HttpConnection, HttpLimits, SocketTransport, StreamTransport
 from trio_gym.http.h11_build import h11
+from trio_gym.logs import JsonLinesFormatter
 
 HANG_GUARD_S = 30  # only a guard against a hang; no test asserts how long anything took
 
@@ -285,6 +287,45 @@ async def test_malformed_batches_get_400_naming_the_problem(body: bytes, fragmen
     assert reply.status == 400 and error_code(reply) == "invalid_request"
     assert fragment in reply.json()["error"]["message"]
     assert not runner.started
+
+
+@pytest.mark.parametrize(
+    ("line", "named", "wrong"),
+    [
+        (b"trio-gym-host-identity: s3cr3t-identity\r", "trio-gym-host-identity", "a CR"),
+        (b"Authorization: Bearer s3cr3t\x00token", "Authorization", "a NUL"),
+        (b"Authorization: Bearer s3cr3t\rtoken", "Authorization", "a CR"),
+        (b"X-Long: " + b"s3cr3t" * 2500 + b"\x00", "X-Long", "a NUL"),
+        (b"Bearer s3cr3t-no-colon", "no ':'", ""),
+    ],
+    ids=["identity-cr", "token-nul", "token-inner-cr", "overlong", "no-colon"],
+)
+async def test_a_refused_header_line_is_named_never_quoted_in_the_answer_or_the_log(
+    line: bytes, named: str, wrong: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by an adversarial run: the 400 (and its log line) quoted the whole header line,
+    a secret included, and a 15,000-character line gave a 15,120-byte answer."""
+    caplog.set_level(logging.INFO, logger="trio_gym")
+    raw = b"GET /health HTTP/1.1\r\nHost: t\r\n" + line + b"\r\n\r\n"
+    async with running_host(runner=CountingRunner(), host_identity="ours") as (host, port):
+        reply = await tcp_exchange(port, raw)
+    logged = "\n".join(JsonLinesFormatter().format(record) for record in caplog.records)
+    assert reply.status in (400, 431) and len(reply.body) < 1024
+    assert named in reply.json()["error"]["message"] and wrong in reply.json()["error"]["message"]
+    assert "s3cr3t" not in reply.body.decode() and "s3cr3t" not in logged
+
+
+async def test_a_refusal_echoes_a_bounded_escaped_piece_of_what_the_caller_sent() -> None:
+    long_path = "/" + "p" * 10_000 + "%0d"
+    async with running_host(runner=CountingRunner()) as (host, port):
+        missing = await tcp_exchange(port, request_bytes(method="GET", target=long_path))
+        method = await tcp_exchange(port, request_bytes(method="PATCH" * 100, target="/health"))
+        many = await tcp_exchange(port, request_bytes({"examples": [1] * 100_000}))
+    assert missing.status == 404 and len(missing.body) < 1024
+    assert "10004 bytes" in missing.json()["error"]["message"]  # how long it was, not all of it
+    assert method.status == 405 and len(method.body) < 1024
+    assert many.status == 400 and len(many.body) < 4096
+    assert "and 99990 more problem(s)" in many.json()["error"]["message"]
 
 
 async def test_unknown_path_404_and_wrong_method_405_with_allow() -> None:

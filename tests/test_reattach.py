@@ -4,16 +4,19 @@ time exact."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
 from tests.helpers import (
     CountingRunner,
+    Reply,
     exchange,
     read_reply,
     request_bytes,
@@ -23,6 +26,7 @@ from tests.helpers import (
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
 from trio_gym.host.reattach import ANSWER_OVERHEAD_BYTES
+from trio_gym.http.h11_build import h11
 from trio_gym.runners import ExampleRunner
 from trio_gym.trainer import ClientSettings, RolloutClient
 
@@ -323,3 +327,99 @@ class BuggyRunner(ExampleRunner):
         if example.get("bug"):
             raise TypeError("a bug in user code")
         super().check_example(example)
+
+
+async def test_keyed_batches_whose_callers_hung_up_after_the_head_never_run_more_than_the_limit(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Found by an adversarial run: 100 keyed POSTs each closed after its head all ran on at
+    once under a cap of 16 connections. The batch limit counts batches, attached or not."""
+    runner = CountingRunner()
+    statuses = []
+    async with keyed_host(runner, max_batches=16, reattach_grace_s=60) as (host, connect):
+        for n in range(100):
+            stream = connect()
+            await stream.send_all(keyed(batch(count=1, think_s=100), f"hung-up-{n}"))
+            statuses.append((await read_head(stream)).status)
+            await stream.aclose()
+            await trio.sleep(0.03)
+        await trio.sleep(16)  # a heartbeat's write finds each caller gone; the grace runs on
+        assert host.services.stats.batches_running == 16
+        assert host.services.stats.connections_open == 0  # the sockets are gone, the work is not
+    assert statuses.count(200) == 16 and statuses.count(503) == 84
+    assert runner.peak == 16
+
+
+async def read_head(stream: trio.abc.Stream) -> Reply:
+    """The status line and headers of an answer, and nothing more."""
+    parser = h11.Connection(h11.CLIENT)
+    parser.send(h11.Request(method="POST", target="/", headers=[("host", "test")]))
+    while True:
+        event = parser.next_event()
+        if isinstance(event, h11.Response):
+            return Reply(status=event.status_code)
+        if isinstance(event, h11.ConnectionClosed):
+            return Reply()  # closed without an answer: status 0
+        parser.receive_data(await stream.receive_some(65536))
+
+
+async def test_health_says_busy_while_every_batch_that_may_run_runs(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    runner = CountingRunner()
+    async with keyed_host(runner, max_batches=1) as (host, connect), trio.open_nursery() as nursery:
+        nursery.start_soon(exchange, connect(), request_bytes(batch(count=1, think_s=10)))
+        await runner.wait_for(lambda r: len(r.started) == 1)
+        health = await exchange(connect(), request_bytes(method="GET", target="/health"))
+        with trio.fail_after(1000):  # virtual seconds: a guard, not a bound
+            refused = await exchange(connect(), keyed(batch(count=1, think_s=1)))
+            await runner.wait_for(lambda r: len(r.completed) >= 1)
+        await trio.sleep(1)
+        ready = await exchange(connect(), request_bytes(method="GET", target="/health"))
+        taken = await exchange(connect(), keyed(batch(count=1, think_s=1)))
+    assert health.status == 503 and health.headers["retry-after"] == "1"
+    assert health.json()["error"]["code"] == "host_busy"
+    assert refused.status == 503 and "max_batches" in refused.json()["error"]["message"]
+    assert ready.status == 200 and taken.status == 200  # the refused key was left free
+
+
+async def test_every_line_of_a_keyed_batch_names_its_batch_and_key_until_its_one_end(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found in review: a keyed batch cancelled by DELETE logged its key and never again its
+    batch id. Given up, it ends as a batch whose caller left does, saying why."""
+    caplog.set_level(logging.DEBUG, logger="trio_gym")
+    runner = CountingRunner()
+    async with keyed_host(runner, reattach_grace_s=600) as (host, connect):
+        gone = connect()
+        await gone.send_all(keyed(batch(think_s=100)))
+        await runner.wait_for(lambda r: len(r.started) == 2)
+        await gone.aclose()
+        await trio.sleep(20)  # a heartbeat's write finds the caller gone
+        back = connect()
+        await back.send_all(keyed(batch(think_s=100)))
+        await trio.sleep(1)
+        await back.aclose()
+        await trio.sleep(20)
+        delete = request_bytes(method="DELETE", headers=[("Idempotency-Key", KEY)])
+        given_up = await exchange(connect(), delete)
+        await runner.wait_for(lambda r: len(r.cancelled) == 2)
+        await trio.sleep(1)
+    lines = [
+        (record.getMessage(), getattr(record, "trio_gym_fields", {}))
+        for record in caplog.records
+        if record.getMessage().startswith(("batch_", "keyed_"))
+    ]
+    assert given_up.json() == {"key": KEY, "cancelled": True}
+    assert [event for event, _ in lines] == [
+        "batch_running",
+        "keyed_caller_left",
+        "keyed_batch_attached",
+        "keyed_caller_left",
+        "batch_abandoned",
+    ]
+    batch_ids = {fields.get("batch") for _, fields in lines}
+    assert len(batch_ids) == 1 and None not in batch_ids
+    assert all(fields.get("key") == KEY for _, fields in lines)
+    assert "gave it up" in lines[-1][1]["reason"]
+    assert host.services.stats.batches_finished["caller_gone"] == 1

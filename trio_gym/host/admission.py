@@ -8,12 +8,23 @@ import attrs
 import trio
 
 from trio_gym.config import ServeConfig
+from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import HttpLimits
 
 from .stats import HostStats
 
 # How long an over-cap connection may take to send its head, and how long its close drains.
 REFUSAL_TIMEOUT_S: Final = 2.0
+
+
+def host_busy(serving: str, setting: str, variable: str) -> WireError:
+    """``503 host_busy``, the answer at any of the host's limits: ``serving`` says which one,
+    ``setting`` and ``variable`` what raises it."""
+    return WireError(
+        ErrorCode.HOST_BUSY,
+        f"the host is {serving}; retry shortly, or raise {setting} ({variable})",
+        headers=[("retry-after", "1")],
+    )
 
 
 @attrs.frozen(eq=False)

@@ -176,10 +176,10 @@ class KeyedBatches:
     async def _first_caller(self, batch: KeyedBatch, conn: HttpConnection) -> None:
         try:
             await self._attach(batch, conn)
-        except WireError:
-            return  # refused before it ran: answered on this socket once the run is over
-        except ConnectionLost as exc:
-            log_event("keyed_caller_left", batch=batch.batch.id, key=batch.key, why=str(exc))
+        except (WireError, ConnectionLost) as exc:
+            if not batch.log.started:  # nothing said here yet: the handler answers (a refusal,
+                return  # a bug's 500) once the run is over, or closes
+            self._caller_left(batch, exc)
         await conn.close()  # its part is over; the batch runs on in this task
 
     async def _run(self, batch: KeyedBatch, caller: KeyedCaller, run: Runs) -> None:
@@ -187,12 +187,7 @@ class KeyedBatches:
             await run(caller)
         except WireError as refusal:  # refused before its answer began
             batch.refusal = refusal
-        except Exception:  # a bug: the connection's boundary logs it and answers the first caller
-            if not batch.log.started:
-                internal = "the host failed unexpectedly; its log has the details"
-                batch.refusal = WireError(ErrorCode.INTERNAL, internal)
-            raise
-        finally:
+        finally:  # a bug goes on to the boundary of the connection that owns the batch
             if not batch.log.ended:  # refused, or cut (abandoned, given up, stopped, a bug)
                 batch.log.breaks()
                 del self._batches[batch.key]
@@ -244,7 +239,11 @@ class KeyedBatches:
         try:
             await self._attach(batch, conn)
         except ConnectionLost as exc:
-            log_event("keyed_caller_left", batch=batch.batch.id, key=batch.key, why=str(exc))
+            self._caller_left(batch, exc)
+
+    def _caller_left(self, batch: KeyedBatch, lost: Exception) -> None:
+        if not batch.log.broken:  # else its own end line says why its callers were cut
+            log_event("keyed_caller_left", batch=batch.batch.id, key=batch.key, why=str(lost))
 
     async def _attach(self, batch: KeyedBatch, conn: HttpConnection) -> None:
         batch.callers += 1

@@ -35,7 +35,7 @@ from trio_gym.protocol.control import STATUS
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER
 from trio_gym.protocol.rollouts import HEALTH_PATH, METRICS_PATH, RUN_PATH
 
-from .admission import Ticket
+from .admission import Ticket, host_busy
 from .control import CARRY_OUT, answer_operation, answer_status
 from .metrics import answer_metrics
 from .rollouts import answer_rollouts, cancel_keyed
@@ -191,20 +191,16 @@ def _holds_identity(identity: str, head: h11.Request) -> bool:
     if not all([hmac.compare_digest(value, expected) for value in presented]):  # each compared
         raise WireError(
             ErrorCode.WRONG_HOST,
-            "this request carries another host's identity: the host it was meant for is "
-            "gone and this one now holds its address; ask that host's provider for the "
-            "host it launched",
+            f"this request's {HOST_IDENTITY_HEADER} is another host's identity: the host it "
+            "was meant for is gone and this one now holds its address; ask that host's "
+            "provider for the host it launched",
         )
     return True
 
 
 def _busy(config: ServeConfig) -> WireError:
-    return WireError(
-        ErrorCode.HOST_BUSY,
-        f"the host is serving its maximum of {config.max_connections} connections; "
-        "retry shortly, or raise max_connections (NMP_MAX_CONNECTIONS)",
-        headers=[("retry-after", "1")],
-    )
+    serving = f"serving its maximum of {config.max_connections} connections"
+    return host_busy(serving, "max_connections", "NMP_MAX_CONNECTIONS")
 
 
 async def _refuse(

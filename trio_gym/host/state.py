@@ -14,11 +14,10 @@ from collections.abc import Callable
 import attrs
 
 from trio_gym.config import ServeConfig
-from trio_gym.errors import ErrorCode, WireError
 from trio_gym.http import HttpLimits, encode_json
 from trio_gym.runners import Runner
 
-from .admission import Admission
+from .admission import Admission, host_busy
 from .checkpoint import Checkpoints
 from .episodes import Episodes
 from .lifecycle import Lifecycle
@@ -70,17 +69,11 @@ class Services:
         """Return if one more batch may run; else raise ``host_busy``. The one rule that bounds
         the work a host takes on: ``max_batches`` batches running at once, whether a caller is
         attached to them or not (a keyed batch runs on after its caller hung up)."""
-        if self.stats.batches_running >= self.config.max_batches:
-            raise batches_full(self.config)
-
-
-def batches_full(config: ServeConfig) -> WireError:
-    return WireError(
-        ErrorCode.HOST_BUSY,
-        f"the host is running its maximum of {config.max_batches} batches; retry shortly, "
-        "or raise max_batches (NMP_MAX_BATCHES)",
-        headers=[("retry-after", "1")],
-    )
+        limit = self.config.max_batches
+        if self.stats.batches_running >= limit:
+            raise host_busy(
+                f"running its maximum of {limit} batches", "max_batches", "NMP_MAX_BATCHES"
+            )
 
 
 class Host:

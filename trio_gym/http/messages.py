@@ -191,7 +191,7 @@ _QUOTED_BYTES: Final = re.compile(
     r"(?P<what>[^:]*): (?:bytearray\()?(?P<bytes>b(?:'.*'|\".*\"))", re.S
 )
 _TOKEN: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_FORBIDDEN_IN_VALUES: Final = {0x0D: "a CR", 0x0A: "an LF", 0x00: "a NUL", 0x7F: "a DEL"}
+_FORBIDDEN_IN_VALUES: Final = {0x0D: "a CR", 0x0A: "an LF", 0x00: "a NUL"}
 
 
 def protocol_problem(exc: h11.ProtocolError) -> str:
