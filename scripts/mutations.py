@@ -92,14 +92,15 @@ MUTATIONS = [
     ),
     Mutation(
         "end-of-file taken as a departure (half-closed callers lose their answer)",
-        "trio_gym/host/supervision.py",
-        "    await conn.wait_until_peer_stops_sending()\n    if body is None:",
-        "    await conn.wait_until_peer_stops_sending()\n"
-        '    raise ConnectionLost("eof")\n'
-        "    if body is None:",
+        "trio_gym/http/connection.py",
+        "        await self.wait_until_peer_stops_sending()\n        if probe is None:",
+        "        await self.wait_until_peer_stops_sending()\n"
+        '        raise ConnectionLost("eof")\n'
+        "        if probe is None:",
         (
             "tests/test_host_clock.py::test_half_closed_caller_still_gets_its_answer",
             "tests/test_host_wire.py::test_a_half_closed_caller_over_tcp_gets_its_answer",
+            "tests/test_reattach.py::test_a_half_closed_keyed_caller_is_still_attached_and_gets_its_whole_answer",
         ),
     ),
     Mutation(
@@ -316,8 +317,8 @@ MUTATIONS = [
     Mutation(
         "readiness not checked again once the body has arrived",
         "trio_gym/host/rollouts.py",
-        "    # The body may have taken a while; the host may be stopping now.\n    services.lifecycle.check_accepting()",
-        "    pass",
+        "        # The body may have taken a while; the host may be stopping now, or its caller gone.\n        services.lifecycle.check_accepting()",
+        "        pass",
         ("tests/test_host_clock.py::test_a_shutdown_while_the_body_arrives_refuses_the_batch",),
     ),
     Mutation(
@@ -340,7 +341,10 @@ MUTATIONS = [
         "trio_gym/http/messages.py",
         'if b"content-length" in names and b"transfer-encoding" in names:',
         "if False:",
-        ("tests/test_host_wire.py::test_bytes_that_are_not_our_http_are_refused_clearly",),
+        (
+            "tests/test_host_wire.py::test_bytes_that_are_not_our_http_are_refused_clearly",
+            "tests/test_hostile.py::test_no_smuggled_request_runs_and_each_framing_trick_gets_one_framed_answer",
+        ),
     ),
     Mutation(
         "a body written as one write (send_timeout_s then bounds the whole body)",
@@ -1780,9 +1784,9 @@ MUTATIONS = [
     ),
     Mutation(
         "the half-close probe waits 0.2 s whatever the round trip (#17)",
-        "trio_gym/host/supervision.py",
-        "    round_trip = conn.round_trip_s()",
-        "    round_trip = None",
+        "trio_gym/http/connection.py",
+        "        round_trip = self.round_trip_s()",
+        "        round_trip = None",
         ("tests/test_host_wire.py::test_the_half_close_probe_waits_by_the_measured_round_trip",),
     ),
     Mutation(
@@ -2633,8 +2637,8 @@ MUTATIONS = [
     Mutation(
         "a keyed request refused before it ran keeps its key (#24)",
         "trio_gym/host/reattach.py",
-        "                batch.log.breaks()\n                del self._batches[batch.key]\n",
-        "                batch.log.breaks()\n                if batch.batch.ran:\n                    del self._batches[batch.key]\n",
+        "        del self._batches[batch.key]\n        if ran:",
+        "        if ran:\n            del self._batches[batch.key]",
         (
             "tests/test_reattach.py::test_a_keyed_request_refused_before_it_runs_leaves_its_key_free",
         ),
@@ -2723,8 +2727,8 @@ MUTATIONS = [
     Mutation(
         "a bug in a batch, keyed or not, escapes its connection's boundary (#24 review, #36)",
         "trio_gym/host/server.py",
-        "    except Exception:  # the boundary: a bug must not take the server down with it",
-        "    except ZeroDivisionError:",
+        '    except* Exception:\n        log_event("connection_failed"',
+        '    except* ZeroDivisionError:\n        log_event("connection_failed"',
         ("tests/test_reattach.py::test_a_bug_in_a_keyed_batch_is_a_500_and_the_host_lives",),
     ),
     Mutation(
@@ -2743,6 +2747,7 @@ MUTATIONS = [
         "            pass",
         (
             "tests/test_reattach.py::test_a_request_given_up_before_it_arrives_is_refused_when_it_does",
+            "tests/test_hostile.py::test_deletes_of_unseen_keys_are_remembered_and_a_full_table_refuses_not_forgets",
         ),
     ),
     Mutation(
@@ -2973,6 +2978,7 @@ MUTATIONS = [
         "    if busy:\n",
         (
             "tests/test_metrics.py::test_a_full_host_still_answers_its_metrics_and_counts_whom_it_refused",
+            "tests/test_hostile.py::test_eight_hundred_concurrent_scrapes_are_all_answered_those_over_the_cap_too",
         ),
     ),
     Mutation(
@@ -2987,7 +2993,10 @@ MUTATIONS = [
         "trio_gym/host/stats.py",
         "            if len(self.seen) >= MAX_FOREIGN_LABELS:\n",
         "            if False:\n",
-        ("tests/test_metrics.py::test_failure_classes_from_outside_stay_a_bounded_label",),
+        (
+            "tests/test_metrics.py::test_failure_classes_from_outside_stay_a_bounded_label",
+            "tests/test_hostile.py::test_a_thousand_failure_classes_keep_the_metrics_bounded_and_every_record_whole",
+        ),
     ),
     Mutation(
         "a failed example counted without its failure class (#26)",
@@ -3151,7 +3160,7 @@ MUTATIONS = [
         also=(
             (
                 "trio_gym/host/keys.py",
-                "        ran_capacity: int = 1 << 20,\n        ran_segment: int = 1 << 16,",
+                "        ran_capacity: int = 1 << 20,\n        ran_segment: int = 1 << 14,",
                 "        ran_capacity: int = 4096,\n        ran_segment: int = 64,",
             ),
         ),
@@ -3163,6 +3172,7 @@ MUTATIONS = [
         "        if len(self._until) >= self._capacity:\n            self._until.popitem(last=False)\n        if False:\n",
         (
             "tests/test_keys.py::test_a_delete_that_cannot_be_remembered_is_refused_and_evicts_nothing",
+            "tests/test_hostile.py::test_deletes_of_unseen_keys_are_remembered_and_a_full_table_refuses_not_forgets",
         ),
     ),
     Mutation(
@@ -3177,8 +3187,8 @@ MUTATIONS = [
     Mutation(
         "a key whose batch was cut before its answer ended runs again (#36)",
         "trio_gym/host/reattach.py",
-        "                    self.memory.ran.add(batch.key, why)",
-        "                    pass",
+        "        if ran:\n            self.memory.ran.add(",
+        "        if False:\n            self.memory.ran.add(",
         (
             "tests/test_reattach.py::test_a_keyed_batch_no_caller_comes_back_for_is_cancelled_at_its_grace",
         ),
@@ -3191,6 +3201,8 @@ MUTATIONS = [
         (
             "tests/test_keys.py::test_a_key_outside_visible_ascii_is_refused_naming_the_rule_never_its_bytes",
             "tests/test_keys.py::test_two_keys_that_differ_in_one_byte_are_two_keys_or_both_refused",
+            "tests/test_hostile.py::test_keys_outside_the_alphabet_are_refused_naming_the_rule_and_run_nothing",
+            "tests/test_hostile.py::test_100000_hostile_requests_leave_the_host_serving_bounded_and_discreet",
         ),
         also=(
             (
@@ -3210,11 +3222,13 @@ MUTATIONS = [
     Mutation(
         "batches not bounded by max_batches (#36)",
         "trio_gym/host/rollouts.py",
-        "        services.check_batch_room()\n",
+        "    services.check_batch_room()  # then nothing waits until it is counted\n",
         "",
         (
             "tests/test_reattach.py::test_keyed_batches_whose_callers_hung_up_after_the_head_never_run_more_than_the_limit",
             "tests/test_reattach.py::test_health_says_busy_while_every_batch_that_may_run_runs",
+            "tests/test_hostile.py::test_six_thousand_keyed_posts_half_abandoned_never_run_more_than_max_batches",
+            "tests/test_hostile.py::test_100000_hostile_requests_leave_the_host_serving_bounded_and_discreet",
         ),
     ),
     Mutation(
@@ -3254,10 +3268,10 @@ MUTATIONS = [
     Mutation(
         "a DELETE waits for the batch's attached callers to go (#36)",
         "trio_gym/host/reattach.py",
-        "            while batch.callers and not batch.given_up:",
+        "            while batch.callers and not batch.batch.given_up:",
         "            while batch.callers:",
         (
-            "tests/test_reattach.py::test_a_client_that_gives_its_request_up_has_the_batch_cancelled_at_once",
+            "tests/test_reattach.py::test_a_delete_gives_a_batch_up_at_once_even_while_a_caller_reads_it",
         ),
     ),
     Mutation(
@@ -3268,6 +3282,10 @@ MUTATIONS = [
         (
             "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
             "tests/test_keys.py::test_a_host_with_an_identity_takes_no_delete_and_remembers_nothing_from_a_stranger",
+            "tests/test_neighbour.py::test_a_neighbour_without_the_identity_runs_cancels_and_learns_nothing_but_ready",
+            "tests/test_secrets.py::test_an_in_process_host_never_answers_or_logs_a_piece_of_its_identity_or_token",
+            "tests/test_hostile.py::test_100000_hostile_requests_leave_the_host_serving_bounded_and_discreet",
+            "tests/test_hostile.py::test_bad_identities_and_tokens_are_refused_on_every_route_and_run_nothing",
         ),
     ),
     Mutation(
@@ -3277,6 +3295,8 @@ MUTATIONS = [
         "            return _answer_health",
         (
             "tests/test_reach.py::test_a_host_with_an_identity_refuses_another_naming_neither_and_says_its_digest",
+            "tests/test_neighbour.py::test_a_neighbour_without_the_identity_runs_cancels_and_learns_nothing_but_ready",
+            "tests/test_hostile.py::test_bad_identities_and_tokens_are_refused_on_every_route_and_run_nothing",
         ),
     ),
     Mutation(
@@ -3286,6 +3306,10 @@ MUTATIONS = [
         "    problem = str(exc)",
         (
             "tests/test_host_wire.py::test_a_refused_header_line_is_named_never_quoted_in_the_answer_or_the_log",
+            "tests/test_secrets.py::test_an_in_process_host_never_answers_or_logs_a_piece_of_its_identity_or_token",
+            "tests/test_secrets.py::test_a_host_process_never_answers_or_prints_a_piece_of_its_identity_or_token",
+            "tests/test_hostile.py::test_100000_hostile_requests_leave_the_host_serving_bounded_and_discreet",
+            "tests/test_hostile.py::test_bad_identities_and_tokens_are_refused_on_every_route_and_run_nothing",
         ),
     ),
     Mutation(
@@ -3313,6 +3337,7 @@ MUTATIONS = [
         "        if False:",
         (
             "tests/test_config.py::test_an_identity_or_token_no_header_can_carry_is_refused_at_start_never_shown",
+            "tests/test_secrets.py::test_serve_refuses_a_secret_ending_in_a_cr_at_start_and_shows_it_redacted",
         ),
     ),
     Mutation(
@@ -3328,6 +3353,183 @@ MUTATIONS = [
                 "                self._finished_bytes -= batch.log.size",
             ),
         ),
+    ),
+    Mutation(
+        "a request carrying another identity taken as the holder's (#36)",
+        "trio_gym/host/server.py",
+        "    if not all([hmac.compare_digest(value, expected) for value in presented]):  # each compared",
+        "    if False:",
+        (
+            "tests/test_neighbour.py::test_a_neighbour_without_the_identity_runs_cancels_and_learns_nothing_but_ready",
+            "tests/test_hostile.py::test_bad_identities_and_tokens_are_refused_on_every_route_and_run_nothing",
+        ),
+    ),
+    Mutation(
+        "one right identity among wrong ones lets a request in (#36)",
+        "trio_gym/host/server.py",
+        "    if not all([hmac.compare_digest(value, expected) for value in presented]):  # each compared",
+        "    if not any([hmac.compare_digest(value, expected) for value in presented]):",
+        (
+            "tests/test_hostile.py::test_bad_identities_and_tokens_are_refused_on_every_route_and_run_nothing",
+        ),
+    ),
+    Mutation(
+        "an empty identity taken as another host's (#36)",
+        "trio_gym/host/server.py",
+        "if name == _IDENTITY_HEADER and value]",
+        "if name == _IDENTITY_HEADER]",
+        (
+            "tests/test_neighbour.py::test_a_neighbour_without_the_identity_runs_cancels_and_learns_nothing_but_ready",
+        ),
+    ),
+    Mutation(
+        "a stranger's DELETE is carried out (#36)",
+        "trio_gym/host/server.py",
+        "    if not holder:\n        if head.method",
+        '    if not holder and head.method != b"DELETE":\n        if head.method',
+        (
+            "tests/test_neighbour.py::test_a_neighbour_without_the_identity_runs_cancels_and_learns_nothing_but_ready",
+        ),
+    ),
+    Mutation(
+        "a stranger may read /metrics (#36)",
+        "trio_gym/host/server.py",
+        '        if head.method == b"GET" and path == HEALTH_PATH:',
+        '        if head.method == b"GET" and path in (HEALTH_PATH, METRICS_PATH):',
+        (
+            "tests/test_neighbour.py::test_a_neighbour_without_the_identity_runs_cancels_and_learns_nothing_but_ready",
+            "tests/test_hostile.py::test_bad_identities_and_tokens_are_refused_on_every_route_and_run_nothing",
+        ),
+    ),
+    Mutation(
+        "one batch over max_batches let in (#36)",
+        "trio_gym/host/state.py",
+        "        if self.stats.batches_running >= limit:",
+        "        if self.stats.batches_running > limit:",
+        (
+            "tests/test_hostile.py::test_six_thousand_keyed_posts_half_abandoned_never_run_more_than_max_batches",
+        ),
+    ),
+    Mutation(
+        "a DELETE while the body is still checked frees the key (#36 review)",
+        "trio_gym/host/reattach.py",
+        "        ran = batch.batch.ran or batch.batch.given_up  # a DELETE answered is a promise too",
+        "        ran = batch.batch.ran",
+        (
+            "tests/test_reattach.py::test_a_delete_while_the_body_is_still_checked_keeps_the_batch_from_ever_running",
+        ),
+    ),
+    Mutation(
+        "a keyed batch's callers not watched: one that hung up is seen at the next heartbeat (#36)",
+        "trio_gym/host/reattach.py",
+        "        await _watched(conn, probe, partial(_copy_until_ended, log, body))",
+        "        await _copy_until_ended(log, body)",
+        (
+            "tests/test_hostile.py::test_a_keyed_batch_whose_caller_hangs_up_is_given_up_once_the_grace_has_passed",
+        ),
+    ),
+    Mutation(
+        "caller bytes echoed without bound (#36)",
+        "trio_gym/errors.py",
+        "def shown(data: bytes, limit: int = 100) -> str:",
+        "def shown(data: bytes, limit: int = 1_000_000) -> str:",
+        (
+            "tests/test_hostile.py::test_100000_hostile_requests_leave_the_host_serving_bounded_and_discreet",
+        ),
+    ),
+    Mutation(
+        "a refused header line's value shown (#36)",
+        "trio_gym/http/messages.py",
+        '                f"carry{hint}; its value is not shown"',
+        '                f"carry{hint}; its value is {shown(value)}"',
+        (
+            "tests/test_secrets.py::test_an_in_process_host_never_answers_or_logs_a_piece_of_its_identity_or_token",
+            "tests/test_secrets.py::test_a_host_process_never_answers_or_prints_a_piece_of_its_identity_or_token",
+        ),
+    ),
+    Mutation(
+        "the client sends a header value HTTP cannot carry, and h11 quotes it (#36)",
+        "trio_gym/http/client.py",
+        "    for name, value in headers:\n        if not (value.isascii()",
+        "    for name, value in ():\n        if not (value.isascii()",
+        (
+            "tests/test_secrets.py::test_a_client_refuses_a_header_value_that_cannot_travel_naming_the_header_not_the_value",
+        ),
+    ),
+    Mutation(
+        "trio-gym status presents no identity (#36)",
+        "trio_gym/trainer/status.py",
+        "                headers=handle.request_headers(),",
+        "                headers=(),",
+        (
+            "tests/test_neighbour.py::test_a_neighbour_without_the_identity_runs_cancels_and_learns_nothing_but_ready",
+        ),
+    ),
+    Mutation(
+        "trio-gym status shows a bad identity file's content (#36)",
+        "trio_gym/trainer/status.py",
+        '            "(its content is not shown)"',
+        '            f"(it holds {identity!r})"',
+        (
+            "tests/test_secrets.py::test_status_refuses_an_identity_file_that_cannot_travel_without_showing_it",
+        ),
+    ),
+    Mutation(
+        "a batch given up while its body is checked runs all the same (#36 review)",
+        "trio_gym/host/batch_state.py",
+        "        if self.given_up:\n            raise answer_expired(",
+        "        if False:\n            raise answer_expired(",
+        (
+            "tests/test_reattach.py::test_a_delete_while_the_body_is_still_checked_keeps_the_batch_from_ever_running",
+        ),
+    ),
+    Mutation(
+        "a keyed caller over HTTP/1.0 not watched until its answer's end (#36 review)",
+        "trio_gym/host/reattach.py",
+        "        await _watched(conn, None, partial(_until_begun, log))",
+        "        await _until_begun(log)",
+        (
+            "tests/test_hostile.py::test_a_keyed_batch_whose_caller_hangs_up_is_given_up_once_the_grace_has_passed",
+        ),
+    ),
+    Mutation(
+        "a refused example's own text echoed whole (#36 review)",
+        "trio_gym/host/rollouts.py",
+        'f"examples[{index}]: {bounded(str(exc))}"',
+        'f"examples[{index}]: {exc}"',
+        (
+            "tests/test_host_wire.py::test_a_refused_example_is_named_with_a_bounded_piece_of_what_it_holds",
+        ),
+        also=(
+            (
+                "trio_gym/host/rollouts.py",
+                'f"({bounded(episode.capture_key, 200)}); give each row',
+                'f"({episode.capture_key}); give each row',
+            ),
+        ),
+    ),
+    Mutation(
+        "a bug after a keyed answer ended cuts its first caller, and the batch is never filed (#36 review)",
+        "trio_gym/host/reattach.py",
+        "            except Exception as exc:  # not yet: the first caller still gets what the log has",
+        "            except ZeroDivisionError as exc:",
+        (
+            "tests/test_reattach.py::test_a_bug_after_a_keyed_answer_ended_still_delivers_it_and_keeps_it",
+        ),
+        also=(
+            (
+                "trio_gym/host/reattach.py",
+                "        finally:\n            self._ended(batch)",
+                "        else:\n            self._ended(batch)",
+            ),
+        ),
+    ),
+    Mutation(
+        "a keyed batch of no examples kept and remembered (#36 review)",
+        "trio_gym/host/batch_state.py",
+        "        return self.state is not BatchState.ACCEPTED and self.size > 0",
+        "        return self.state is not BatchState.ACCEPTED",
+        ("tests/test_reattach.py::test_a_keyed_batch_of_no_examples_is_answered_and_not_kept",),
     ),
 ]
 

@@ -26,8 +26,8 @@ from tests.helpers import (
 )
 from tests.slow_to_stop_runner import SlowToStop
 from trio_gym.config import ServeConfig
-from trio_gym.host.supervision import PROBE_DELAY_S, probe_delay_s
 from trio_gym.http import HttpConnection, HttpLimits, SocketTransport, StreamTransport
+from trio_gym.http.connection import PROBE_DELAY_S
 from trio_gym.http.h11_build import h11
 from trio_gym.logs import JsonLinesFormatter
 
@@ -326,6 +326,25 @@ async def test_a_refusal_echoes_a_bounded_escaped_piece_of_what_the_caller_sent(
     assert method.status == 405 and len(method.body) < 1024
     assert many.status == 400 and len(many.body) < 4096
     assert "and 99990 more problem(s)" in many.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "examples",
+    [
+        [{"seed": 1, "_ng_rollout_id": "r" * 2_000_000}] * 2,
+        [{"seed": 1, "_ng_attempt_index": ["x" * 1_000_000]}],
+    ],
+    ids=["twin-rollout-ids", "attempt-not-an-integer"],
+)
+async def test_a_refused_example_is_named_with_a_bounded_piece_of_what_it_holds(
+    examples: list[dict[str, Any]],
+) -> None:
+    """Found in review: two rows of one 2 MB rollout id were refused with a 2 MB answer."""
+    runner = CountingRunner()
+    async with running_host(runner=runner, control_token="t") as (host, port):
+        reply = await tcp_exchange(port, request_bytes({"examples": examples}))
+    assert reply.status == 400 and len(reply.body) < 4096 and "characters)" in reply.body.decode()
+    assert not runner.started
 
 
 async def test_unknown_path_404_and_wrong_method_405_with_allow() -> None:
@@ -662,11 +681,11 @@ async def test_the_half_close_probe_waits_by_the_measured_round_trip() -> None:
         over_tcp = HttpConnection(SocketTransport(server.socket), h11.SERVER, HttpLimits())
         round_trip = over_tcp.round_trip_s()
         assert round_trip is not None and 0 < round_trip < PROBE_DELAY_S
-        assert probe_delay_s(over_tcp) < PROBE_DELAY_S
+        assert over_tcp.probe_delay_s() < PROBE_DELAY_S
     _, memory = trio.testing.memory_stream_pair()
     in_memory = HttpConnection(StreamTransport(memory, send_timeout_s=30), h11.SERVER, HttpLimits())
     assert in_memory.round_trip_s() is None
-    assert probe_delay_s(in_memory) == PROBE_DELAY_S
+    assert in_memory.probe_delay_s() == PROBE_DELAY_S
 
 
 async def test_garbage_storm_never_kills_the_server() -> None:

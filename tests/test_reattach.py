@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
@@ -26,11 +27,13 @@ from tests.helpers import (
 from trio_gym.config import ServeConfig
 from trio_gym.host import Host, handle_connection
 from trio_gym.host.reattach import ANSWER_OVERHEAD_BYTES
+from trio_gym.host.rollouts import THREAD_PARSE_BYTES
 from trio_gym.http.h11_build import h11
 from trio_gym.runners import ExampleRunner
 from trio_gym.trainer import ClientSettings, RolloutClient
 
 KEY = "chunk-7f3a"
+HANG_GUARD_S = 30  # only a guard against a hang on the real clock
 
 
 def batch(count: int = 2, *, meetings: int = 3, think_s: float = 100) -> dict[str, Any]:
@@ -343,7 +346,7 @@ async def test_keyed_batches_whose_callers_hung_up_after_the_head_never_run_more
             statuses.append((await read_head(stream)).status)
             await stream.aclose()
             await trio.sleep(0.03)
-        await trio.sleep(16)  # a heartbeat's write finds each caller gone; the grace runs on
+        await trio.sleep(1)  # each caller's watcher has found it gone; the grace runs on
         assert host.services.stats.batches_running == 16
         assert host.services.stats.connections_open == 0  # the sockets are gone, the work is not
     assert statuses.count(200) == 16 and statuses.count(503) == 84
@@ -393,14 +396,14 @@ async def test_every_line_of_a_keyed_batch_names_its_batch_and_key_until_its_one
     async with keyed_host(runner, reattach_grace_s=600) as (host, connect):
         gone = connect()
         await gone.send_all(keyed(batch(think_s=100)))
-        await runner.wait_for(lambda r: len(r.started) == 2)
+        await trio.sleep(1)
         await gone.aclose()
-        await trio.sleep(20)  # a heartbeat's write finds the caller gone
+        await trio.sleep(1)  # its watcher finds the caller gone
         back = connect()
         await back.send_all(keyed(batch(think_s=100)))
         await trio.sleep(1)
         await back.aclose()
-        await trio.sleep(20)
+        await trio.sleep(1)
         delete = request_bytes(method="DELETE", headers=[("Idempotency-Key", KEY)])
         given_up = await exchange(connect(), delete)
         await runner.wait_for(lambda r: len(r.cancelled) == 2)
@@ -423,3 +426,115 @@ async def test_every_line_of_a_keyed_batch_names_its_batch_and_key_until_its_one
     assert all(fields.get("key") == KEY for _, fields in lines)
     assert "gave it up" in lines[-1][1]["reason"]
     assert host.services.stats.batches_finished["caller_gone"] == 1
+
+
+async def test_a_half_closed_keyed_caller_is_still_attached_and_gets_its_whole_answer() -> None:
+    """Real sockets, real clock: a caller that shuts down its sending side after the request
+    is still there (its watcher's probes are taken), so the grace never starts."""
+    runner = CountingRunner()
+    async with running_host(runner=runner, reattach_grace_s=0.3) as (host, port):
+        with trio.fail_after(30):  # a guard, not a bound
+            reply = await tcp_exchange(port, keyed(batch(meetings=3, think_s=0.5)), half_close=True)
+    assert reply.status == 200 and reply.complete
+    assert len(reply.json()["results"]) == 2 and not runner.cancelled
+
+
+async def test_a_delete_gives_a_batch_up_at_once_even_while_a_caller_reads_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """The caller that gave the batch up is the one whose word counts: another still reading
+    it (a copy of the trainer that lost track) is cut, never answered as if whole."""
+    runner = CountingRunner()
+    async with keyed_host(runner, reattach_grace_s=600) as (host, connect):
+        reading = connect()
+        await reading.send_all(keyed(batch(think_s=100)))
+        await runner.wait_for(lambda r: len(r.started) == 2)
+        given_up_at = trio.current_time()
+        delete = request_bytes(method="DELETE", headers=[("Idempotency-Key", KEY)])
+        given_up = await exchange(connect(), delete)
+        with trio.fail_after(100):  # virtual seconds: a guard, not a bound
+            await runner.wait_for(lambda r: len(r.cancelled) == 2)
+            with pytest.raises(h11.RemoteProtocolError, match="incomplete chunked read"):
+                await read_reply(reading)  # cut, never ended as if whole
+    assert given_up.json() == {"key": KEY, "cancelled": True}
+    assert max(at for _, at in runner.cancelled) - given_up_at < 1
+
+
+class HeldCheck(ExampleRunner):
+    """Its check of an example waits (in the worker thread a large body is checked in) until
+    the test lets it go."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def check_example(self, example: Mapping[str, Any]) -> None:
+        self.entered.set()
+        self.release.wait(timeout=HANG_GUARD_S)
+
+
+async def test_a_delete_while_the_body_is_still_checked_keeps_the_batch_from_ever_running() -> None:
+    """Found in review: a DELETE answered "cancelled" before the batch was admitted let it run
+    (or, refused busy, freed its key). On the real clock: the check runs in a worker thread."""
+    held = HeldCheck()
+    runner = CountingRunner(held)
+    big = {"examples": [{"seed": 1, "meetings": 1, "pad": "x" * (THREAD_PARSE_BYTES + 1)}]}
+    delete = request_bytes(method="DELETE", headers=[("Idempotency-Key", KEY)])
+    async with keyed_host(runner) as (host, connect), trio.open_nursery() as nursery:
+        with trio.fail_after(HANG_GUARD_S):
+            first: list[Reply] = []
+
+            async def post_first() -> None:
+                first.append(await exchange(connect(), keyed(big)))
+
+            nursery.start_soon(post_first)
+            await trio.to_thread.run_sync(held.entered.wait)
+            given_up = await exchange(connect(), delete)
+            held.release.set()
+            while not first:  # noqa: ASYNC110 (the other task's answer is the event)
+                await trio.sleep(0.01)
+            again = await exchange(connect(), keyed(big))
+    assert given_up.json() == {"key": KEY, "cancelled": True}
+    assert first[0].status == 410 and "gave it up" in first[0].json()["error"]["message"]
+    assert again.status == 410
+    assert not runner.started
+
+
+class BrokenDelivery(ExampleRunner):
+    """A bug that surfaces only once the answer is whole: the delivery callback raises."""
+
+    async def run_example(self, example: Mapping[str, Any], context: Any) -> Any:
+        result = await super().run_example(example, context)
+        context.when_delivered(self._explode)
+        return result
+
+    def _explode(self) -> None:
+        raise RuntimeError("a bug after the answer")
+
+
+async def test_a_bug_after_a_keyed_answer_ended_still_delivers_it_and_keeps_it(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """Found in review: the bug cut the first caller's whole answer, and the batch was never
+    filed among the finished (kept forever, outside every bound)."""
+    async with keyed_host(BrokenDelivery(), answer_retention_s=10) as (host, connect):
+        first = await exchange(connect(), keyed(batch(count=1, think_s=1)))
+        again = await exchange(connect(), keyed(batch(count=1, think_s=1)))
+        await trio.sleep(20)
+        expired = await exchange(connect(), keyed(batch(count=1, think_s=1)))
+    assert first.status == 200 and first.complete and len(first.json()["results"]) == 1
+    assert again.body == first.body
+    assert expired.status == 410
+
+
+async def test_a_keyed_batch_of_no_examples_is_answered_and_not_kept(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """It ran nothing: a flood of them must not fill the answers kept or the keys remembered."""
+    runner = CountingRunner()
+    async with keyed_host(runner) as (host, connect):
+        answers = [await exchange(connect(), keyed({"examples": []}, f"e{n}")) for n in range(3)]
+        again = await exchange(connect(), keyed({"examples": []}, "e0"))
+    assert [answer.status for answer in [*answers, again]] == [200] * 4
+    assert again.json()["results"] == []
+    assert len(host.services.keyed.memory.ran) == 0 and host.services.keyed.find("e1", "") is None

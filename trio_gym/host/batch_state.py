@@ -15,6 +15,8 @@ import trio
 from trio_gym.deadline import PausableDeadline
 from trio_gym.logs import log_event
 
+from .keys import Gone, answer_expired
+
 
 class BatchState(enum.Enum):
     ACCEPTED = "accepted"
@@ -73,6 +75,9 @@ class Batch:
     """The ``batch_running`` line's fields until it is written."""
     failed_with: str | None = None
     """The error code its error document carries, once it is failing."""
+    given_up: bool = False
+    """Its caller said (``DELETE`` under its key) that it will not come back: it does not
+    begin, and once running it ends as a batch whose caller left."""
 
     @property
     def outcome(self) -> str:
@@ -112,9 +117,20 @@ class Batch:
             self.unlogged_running = None
 
     @property
+    def named(self) -> str:
+        """How a message names it: its id, and its key if it has one."""
+        return f"batch {self.id}" + ("" if self.key is None else f", Idempotency-Key {self.key}")
+
+    def check_still_wanted(self) -> None:
+        """Raise the ``410`` of a batch its caller gave up (``DELETE``) before it ran: that
+        answer was a promise that it never will."""
+        if self.given_up:
+            raise answer_expired(self.key or "", Gone.GIVEN_UP.value)
+
+    @property
     def ran(self) -> bool:
-        """Whether any of its examples may have started (it is past admission)."""
-        return self.state is not BatchState.ACCEPTED
+        """Whether any of its examples may have started (past admission, and not empty)."""
+        return self.state is not BatchState.ACCEPTED and self.size > 0
 
     def log_cut(self) -> None:
         """The end line of a batch that ran and ended before its answer did: cut off at the end

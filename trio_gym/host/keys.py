@@ -50,11 +50,20 @@ def idempotency_key(head: h11.Request) -> str | None:
     return key.decode("ascii")
 
 
+def answer_expired(key: str, why: str) -> WireError:
+    """The ``410`` for a key that runs nothing here any more, saying ``why``."""
+    return WireError(
+        ErrorCode.ANSWER_EXPIRED,
+        f"Idempotency-Key: {key} — {why}; nothing is run again under a key that ran or was "
+        "given up here: send a new key",
+    )
+
+
 class Gone(enum.Enum):
     """Why a key runs nothing here any more (the 410 says it)."""
 
     EXPIRED = "its answer is no longer kept"
-    GIVEN_UP = "its caller gave it up (DELETE) while it ran"
+    GIVEN_UP = "its caller gave it up (DELETE)"
     STOPPED = "its batch was stopped before its answer ended"
     GIVEN_UP_BEFORE = "its caller gave it up (DELETE) before it arrived"
 
@@ -157,7 +166,7 @@ class KeyMemory:
         *,
         lifetime_s: float,
         ran_capacity: int = 1 << 20,
-        ran_segment: int = 1 << 16,
+        ran_segment: int = 1 << 14,
         given_up_capacity: int = 1 << 16,
     ) -> None:
         self.ran = RanKeys(ran_capacity, ran_segment)

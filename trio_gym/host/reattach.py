@@ -23,18 +23,19 @@ from __future__ import annotations
 import collections
 import hashlib
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Final
 
 import attrs
 import trio
 
 from trio_gym.changes import Changes
-from trio_gym.errors import ErrorCode, WireError
+from trio_gym.errors import ErrorCode, WireError, leaves
 from trio_gym.http import ChunkedBody, ConnectionLost, HttpConnection, send_body
 from trio_gym.logs import log_event
 
 from .batch_state import Batch
-from .keys import Gone, KeyMemory
+from .keys import Gone, KeyMemory, answer_expired
 
 ANSWER_OVERHEAD_BYTES: Final = 1024
 """What a kept answer costs beyond its bytes (its records here), counted against the bytes kept:
@@ -48,6 +49,8 @@ class AnswerLog:
     status: int = 0
     content_type: str = ""
     chunked: bool = True
+    heartbeat: bytes = b""
+    """What a caller's watcher may write into a chunked answer to learn whether it is there."""
     pieces: list[bytes] = attrs.field(factory=list)
     size: int = 0
     started: bool = False
@@ -57,10 +60,10 @@ class AnswerLog:
     connection is then cut, never ended as if whole."""
     changes: Changes = attrs.field(factory=Changes)
 
-    def start(self, status: int, content_type: str, *, chunked: bool) -> None:
-        self.status, self.content_type, self.chunked, self.started = (
-            status, content_type, chunked, True
-        )  # fmt: skip
+    def start(self, status: int, content_type: str, *, heartbeat: bytes | None) -> None:
+        """Begin the answer: chunked, with ``heartbeat``; buffered (HTTP/1.0) with ``None``."""
+        self.status, self.content_type = status, content_type
+        self.chunked, self.heartbeat, self.started = heartbeat is not None, heartbeat or b"", True
         self.changes.note()
 
     def add(self, data: bytes, *, last: bool = False) -> None:
@@ -99,12 +102,10 @@ class LogBody:
 class KeyedBatch:
     key: str
     batch: Batch
-    """The batch itself: its id, and whether it ran."""
+    """The batch itself: its id, whether it ran, whether its caller gave it up."""
     digest: str
     log: AnswerLog = attrs.field(factory=AnswerLog)
     callers: int = 0
-    given_up: bool = False
-    """Its caller said (``DELETE``) that it will not come back."""
     finished_at: float | None = None
     refusal: WireError | None = None
     """Why it was refused before its answer began, for the callers attached by then."""
@@ -135,11 +136,7 @@ class KeyedBatches:
         if batch is None:
             gone = self.memory.why(key, trio.current_time())
             if gone is not None:
-                raise WireError(
-                    ErrorCode.ANSWER_EXPIRED,
-                    f"Idempotency-Key: {key} — {self._explain(gone)}; nothing is run "
-                    "again under a key that ran or was given up here: send a new key",
-                )
+                raise self._expired(key, gone)
             return None
         if batch.digest != digest:
             raise WireError(
@@ -149,13 +146,21 @@ class KeyedBatches:
             )
         return batch
 
-    def _explain(self, gone: Gone) -> str:
+    def _expired(self, key: str, gone: Gone) -> WireError:
+        """The ``410`` for a key that holds no answer here, saying why."""
+        why = str(gone.value)
         if gone is Gone.EXPIRED:
-            return (
-                f"{gone.value} (answers are kept {self.retention_s:g} s, within "
-                f"{self.retention_bytes} bytes: answer_retention_s, answer_retention_bytes)"
+            why += (
+                f" (answers are kept {self.retention_s:g} s, within {self.retention_bytes} "
+                "bytes: answer_retention_s, answer_retention_bytes)"
             )
-        return str(gone.value)
+        return answer_expired(key, why)
+
+    def _unanswered(self, batch: KeyedBatch) -> WireError:
+        """What a caller of a batch that stopped before its answer began is told."""
+        if batch.refusal is not None:
+            return batch.refusal
+        return self._expired(batch.key, Gone.GIVEN_UP if batch.batch.given_up else Gone.STOPPED)
 
     async def run(
         self, key: str, batch: Batch, digest: str, conn: HttpConnection, run: Runs
@@ -163,22 +168,32 @@ class KeyedBatches:
         """Register ``batch`` under ``key`` and run it in this task — the task of ``conn``'s
         handler, which owns it — while ``conn`` is sent its answer beside it. ``conn`` is closed
         once its caller has the answer or is gone; the batch runs on here while a caller may
-        come back for it. Raises the refusal (:class:`WireError`) of a batch refused before its
-        answer began, for this handler to answer (its key is free again, unless it ran)."""
+        come back for it. Raises, for this handler to answer, why a batch stopped before its
+        answer began (its refusal: its key is free again unless it ran or was given up); a bug,
+        once the first caller has all the log holds."""
         keyed = self._batches[key] = KeyedBatch(key, batch, digest)
         caller = KeyedCaller(self, keyed, conn.their_http_version or b"")
+        bug: Exception | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._first_caller, keyed, conn)
-            await self._run(keyed, caller, run)
-        if keyed.refusal is not None:
-            raise keyed.refusal
+            try:
+                await self._run(keyed, caller, run)
+            except Exception as exc:  # not yet: the first caller still gets what the log has
+                bug = exc
+                if not keyed.log.started:  # what its other callers hear, as the first will
+                    internal = "the host failed unexpectedly; its log has the details"
+                    keyed.refusal = WireError(ErrorCode.INTERNAL, internal)
+        if bug is not None:
+            raise bug
+        if not keyed.log.started:
+            raise self._unanswered(keyed)
 
     async def _first_caller(self, batch: KeyedBatch, conn: HttpConnection) -> None:
         try:
             await self._attach(batch, conn)
-        except (WireError, ConnectionLost) as exc:
-            if not batch.log.started:  # nothing said here yet: the handler answers (a refusal,
-                return  # a bug's 500) once the run is over, or closes
+        except WireError:
+            return  # nothing said here yet: the handler answers once the run is over
+        except ConnectionLost as exc:
             self._caller_left(batch, exc)
         await conn.close()  # its part is over; the batch runs on in this task
 
@@ -187,18 +202,24 @@ class KeyedBatches:
             await run(caller)
         except WireError as refusal:  # refused before its answer began
             batch.refusal = refusal
-        finally:  # a bug goes on to the boundary of the connection that owns the batch
-            if not batch.log.ended:  # refused, or cut (abandoned, given up, stopped, a bug)
-                batch.log.breaks()
-                del self._batches[batch.key]
-                if batch.batch.ran:  # whatever it ran is never run again under its key
-                    why = Gone.GIVEN_UP if batch.given_up else Gone.STOPPED
-                    self.memory.ran.add(batch.key, why)
-        if batch.log.ended:
+        finally:
+            self._ended(batch)
+
+    def _ended(self, batch: KeyedBatch) -> None:
+        """File a batch that ended, however it did: its answer kept when whole and it ran;
+        otherwise its readers cut and its key remembered, unless nothing ran under it."""
+        ran = batch.batch.ran or batch.batch.given_up  # a DELETE answered is a promise too
+        if batch.log.ended and ran:
             batch.finished_at = trio.current_time()
             self._finished[batch.key] = batch
             self._finished_bytes += batch.log.size + ANSWER_OVERHEAD_BYTES
             self._forget_old()
+            return
+        if not batch.log.ended:  # refused, or cut (abandoned, given up, stopped, a bug)
+            batch.log.breaks()
+        del self._batches[batch.key]
+        if ran:
+            self.memory.ran.add(batch.key, Gone.GIVEN_UP if batch.batch.given_up else Gone.STOPPED)
 
     def cancel(self, key: str) -> bool:
         """Give up the batch running under ``key`` now; whether there was one. A key that holds
@@ -212,7 +233,7 @@ class KeyedBatches:
             return False
         if batch.log.ended:
             return False
-        batch.given_up = True
+        batch.batch.given_up = True
         batch.caller_changes.note()
         return True
 
@@ -220,9 +241,9 @@ class KeyedBatches:
         """Raise :class:`ConnectionLost` once the batch's caller gave it up, or no caller has
         been attached for ``grace_s``: the batch's watcher."""
         while True:
-            while batch.callers and not batch.given_up:
+            while batch.callers and not batch.batch.given_up:
                 await batch.caller_changes.wait()
-            if batch.given_up:
+            if batch.batch.given_up:
                 raise ConnectionLost("its caller gave it up (DELETE under its key)")
             with trio.move_on_after(self.grace_s):
                 await batch.caller_changes.wait()
@@ -256,30 +277,23 @@ class KeyedBatches:
             self._forget_old()
 
     async def _send(self, batch: KeyedBatch, conn: HttpConnection) -> None:
+        """Every caller is watched as an unkeyed batch's caller is: one that hangs up is
+        detached at once (the grace starts), not at the next heartbeat's failed write. Until
+        the answer begins (to its end, over HTTP/1.0) only a reset can be learned."""
         log = batch.log
-        while not log.started and not log.broken:
-            await log.changes.wait()
-        if batch.refusal is not None:
-            raise batch.refusal
-        if not log.started:  # stopped before it answered (a DELETE, the host stopping)
-            raise ConnectionLost("the batch stopped before its answer began")
-        if not log.chunked:
-            while not log.ended:
-                await log.changes.wait()
+        await _watched(conn, None, partial(_until_begun, log))
+        if not log.started:  # refused, given up or stopped before its answer began
+            raise self._unanswered(batch)
+        body = None
+        if log.chunked:
+            body = await ChunkedBody.start(conn, log.status, content_type=log.content_type)
+        probe = None if body is None else partial(body.send, log.heartbeat)
+        await _watched(conn, probe, partial(_copy_until_ended, log, body))
+        # The end goes out once the watcher is gone: no probe can follow it.
+        if body is None:
             await send_body(conn, log.status, b"".join(log.pieces), content_type=log.content_type)
-            return
-        body = await ChunkedBody.start(conn, log.status, content_type=log.content_type)
-        sent = 0
-        while True:
-            while sent < len(log.pieces):
-                await body.send(log.pieces[sent])
-                sent += 1
-            if log.broken:
-                raise ConnectionLost("the batch stopped before its answer ended")
-            if log.ended:
-                await body.finish()
-                return
-            await log.changes.wait()
+        else:
+            await body.finish()
 
     def _forget_old(self) -> None:
         """Drop finished answers past their retention, then the oldest beyond the bytes kept.
@@ -306,6 +320,45 @@ class KeyedBatches:
             self.memory.ran.add(batch.key, Gone.EXPIRED)
 
 
+async def _watched(
+    conn: HttpConnection,
+    probe: Callable[[], Awaitable[None]] | None,
+    work: Callable[[], Awaitable[None]],
+) -> None:
+    """``work`` beside a watcher of ``conn`` (:meth:`~trio_gym.http.HttpConnection.watch_peer`
+    with ``probe``); raises :class:`ConnectionLost` if either finds the caller gone."""
+    lost: ConnectionLost | None = None
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(conn.watch_peer, probe)
+            await work()
+            nursery.cancel_scope.cancel()
+    except* ConnectionLost as group:
+        lost = leaves(group)[0]
+    if lost is not None:
+        raise lost
+
+
+async def _until_begun(log: AnswerLog) -> None:
+    while not log.started and not log.broken:
+        await log.changes.wait()
+
+
+async def _copy_until_ended(log: AnswerLog, body: ChunkedBody | None) -> None:
+    """Send ``log``'s pieces into ``body`` from its start as it grows (a buffered answer's
+    wait whole), until it has ended; raises :class:`ConnectionLost` where it broke off."""
+    sent = 0
+    while True:
+        while body is not None and sent < len(log.pieces):
+            await body.send(log.pieces[sent])
+            sent += 1
+        if log.broken:
+            raise ConnectionLost("the batch stopped before its answer ended")
+        if log.ended:
+            return
+        await log.changes.wait()
+
+
 def request_digest(body: bytes, *, rows: bool, http_version: bytes) -> str:
     """What makes two POSTs under one key the same request."""
     hasher = hashlib.sha256(body)
@@ -324,14 +377,14 @@ class KeyedCaller:
     batch: KeyedBatch
     http_version: bytes
 
-    async def start(self, status: int, *, content_type: str) -> LogBody:
+    async def start(self, status: int, *, content_type: str, heartbeat: bytes) -> LogBody:
         await trio.lowlevel.checkpoint()
-        self.batch.log.start(status, content_type, chunked=True)
+        self.batch.log.start(status, content_type, heartbeat=heartbeat)
         return LogBody(self.batch.log)
 
     async def send_whole(self, status: int, body: bytes, *, content_type: str) -> None:
         await trio.lowlevel.checkpoint()
-        self.batch.log.start(status, content_type, chunked=False)
+        self.batch.log.start(status, content_type, heartbeat=None)
         self.batch.log.add(body, last=True)
 
     async def until_gone(self, body: object, heartbeat: bytes) -> None:

@@ -20,7 +20,7 @@ import attrs
 import pydantic
 import trio
 
-from trio_gym.errors import ErrorCode, WireError, describe_validation_error, leaves
+from trio_gym.errors import ErrorCode, WireError, bounded, describe_validation_error, leaves
 from trio_gym.http import (
     ConnectionLost,
     HttpConnection,
@@ -128,7 +128,9 @@ def validate_batch(
             runner.check_example(example)
             episode = EpisodeId.of(example, assigned) if identities else EpisodeId(assigned, 0)
         except ValueError as exc:
-            refusal = WireError(ErrorCode.INVALID_REQUEST, f"examples[{index}]: {exc}")
+            refusal = WireError(
+                ErrorCode.INVALID_REQUEST, f"examples[{index}]: {bounded(str(exc))}"
+            )
             if refuse_whole:
                 raise refusal from exc
             checked.append(refusal)
@@ -137,8 +139,9 @@ def validate_batch(
         if twin != index:
             raise WireError(
                 ErrorCode.INVALID_REQUEST,
-                f"examples[{twin}] and examples[{index}] are one episode ({episode.capture_key}); "
-                "give each row its own _ng_rollout_id (or _ng_task_index/_ng_rollout_index)",
+                f"examples[{twin}] and examples[{index}] are one episode "
+                f"({bounded(episode.capture_key, 200)}); give each row its own _ng_rollout_id "
+                "(or _ng_task_index/_ng_rollout_index)",
             )
         checked.append(episode)
     return request, checked
@@ -170,9 +173,10 @@ async def answer_rollouts(services: Services, conn: HttpConnection, head: h11.Re
 
     Refusals before the status line (503, 400, 406, 408, 413) are raised as :class:`WireError`
     for the caller to send; once the status line has left, every failure goes into the answer.
-    Returns quietly if the caller left (the batch is logged ``abandoned``). The batch runs in
-    this task either way; under an ``Idempotency-Key`` it writes its answer into a log its
-    callers read (:mod:`.reattach`), and this task holds it while one may come back for it.
+    Without an ``Idempotency-Key`` it returns quietly if the caller left (the batch is logged
+    ``abandoned``). The batch runs in this task either way; under a key it writes its answer
+    into a log its callers read (:mod:`.reattach`), and this task holds it while one may come
+    back for it.
     """
     services.lifecycle.check_accepting()
     rows = wants_rows(head)
@@ -231,31 +235,34 @@ async def run_batch(
     services: Services, caller: Caller, batch: Batch, body: bytes, rows: bool
 ) -> None:
     """Validate, admit and run ``batch``, answering ``caller``; refusals before the status
-    line are raised as :class:`WireError`."""
-    validate = partial(
-        validate_batch,
-        body,
-        services.lifecycle.runner,
-        batch.id,
-        refuse_whole=not rows,
-        identities=services.tracks_episodes,
-    )
-    if len(body) > THREAD_PARSE_BYTES:
-        request, checked = await trio.to_thread.run_sync(validate)
-    else:
-        request, checked = validate()
-    # The body may have taken a while; the host may be stopping now.
-    services.lifecycle.check_accepting()
-    admitted = [
-        entry
-        if isinstance(entry, WireError)
-        else services.episodes.admit_or_refuse(entry, batch.id, index, batch.deadline)
-        for index, entry in enumerate(checked)
-    ]
+    line are raised as :class:`WireError`. A bug leaves naming the batch (a note on it: the
+    connection's boundary logs it)."""
+    admitted: list[LiveEpisode | WireError] = []
     try:
+        validate = partial(
+            validate_batch,
+            body,
+            services.lifecycle.runner,
+            batch.id,
+            refuse_whole=not rows,
+            identities=services.tracks_episodes,
+        )
+        if len(body) > THREAD_PARSE_BYTES:
+            request, checked = await trio.to_thread.run_sync(validate)
+        else:
+            request, checked = validate()
+        # The body may have taken a while; the host may be stopping now, or its caller gone.
+        services.lifecycle.check_accepting()
+        batch.check_still_wanted()
+        services.check_batch_room()  # then nothing waits until it is counted
+        admitted = [
+            entry
+            if isinstance(entry, WireError)
+            else services.episodes.admit_or_refuse(entry, batch.id, index, batch.deadline)
+            for index, entry in enumerate(checked)
+        ]
         if not rows:
             refuse_unless_all_admitted(admitted)
-        services.check_batch_room()
         deadline_s = min(request.deadline_s or math.inf, services.config.rollout_deadline_s)
         batch.size = len(request.examples)
         batch.advance(
@@ -286,6 +293,10 @@ async def run_batch(
             services.stats.batches_running -= 1
             services.stats.batches_finished[batch.outcome] += 1
             services.stats.batch_changes.note()
+    except Exception as exc:
+        if not isinstance(exc, WireError | ConnectionLost):
+            exc.add_note(f"in {batch.named}")
+        raise
     finally:
         for live in admitted:
             if isinstance(live, LiveEpisode):
@@ -316,7 +327,7 @@ async def _answer_with_document(
     examples registered for after their delivery runs once the whole document is written."""
     body = None
     if caller.http_version == b"1.1":
-        body = await caller.start(200, content_type=JSON_MEDIA)
+        body = await caller.start(200, content_type=JSON_MEDIA, heartbeat=HEARTBEAT)
     examples = request.examples
     document = ResultsDocument(
         len(examples), services.results_info, services.config.max_response_bytes

@@ -96,7 +96,7 @@ async def answer_with_rows(
 
     Raises :class:`~trio_gym.http.ConnectionLost` if the caller left or stopped reading.
     """
-    body = await caller.start(200, content_type=NDJSON_MEDIA)
+    body = await caller.start(200, content_type=NDJSON_MEDIA, heartbeat=ROW_HEARTBEAT)
     counts = {"completed": 0, "failed": 0}
     limit = services.config.max_response_bytes
     # Rows go through one writer, outside the examples' cancel scope: a row finished before

@@ -17,7 +17,7 @@ from typing import Final
 import trio
 
 from trio_gym.config import ServeConfig
-from trio_gym.errors import ErrorCode, WireError, shown
+from trio_gym.errors import ErrorCode, WireError, leaves, shown
 from trio_gym.files import write_whole
 from trio_gym.http import (
     ConnectionLost,
@@ -293,9 +293,11 @@ async def _answer(services: Services, conn: HttpConnection, busy: bool) -> None:
         except WireError as error:
             await _refuse(services, conn, error, busy=busy)
         await conn.close()
-    except ConnectionLost as exc:
-        log_event("caller_gone", reason=str(exc))
-    except Exception:  # the boundary: a bug must not take the server down with it
+    except* ConnectionLost as lost:
+        log_event("caller_gone", reason=str(leaves(lost)[0]))
+    # The boundary: a bug must not take the server down with it — not even one grouped with
+    # the Cancelled of a shutdown's end (which goes on).
+    except* Exception:
         log_event("connection_failed", level=logging.ERROR, exc_info=True)
         await _answer_internal_error(conn)
     finally:

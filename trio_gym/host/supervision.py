@@ -39,11 +39,6 @@ from .stats import HostStats
 # tenth of their cost. A caller who leaves sooner is noticed this late at most.
 WATCH_AFTER_S: Final = 0.005
 
-# Two probe writes tell a half-closed caller from a departed one (see probe_delay_s): this far
-# apart at most, and when the kernel does not say what the round trip is. For a round trip
-# longer than that the next heartbeat write notices instead, within one more interval.
-PROBE_DELAY_S: Final = 0.2
-
 
 class Body(Protocol):
     """Where a chunked answer's pieces go: a caller's connection, or a keyed batch's log."""
@@ -59,7 +54,11 @@ class Caller(Protocol):
 
     @property
     def http_version(self) -> bytes: ...
-    async def start(self, status: int, *, content_type: str) -> Body: ...
+    async def start(self, status: int, *, content_type: str, heartbeat: bytes) -> Body:
+        """Begin a chunked answer; ``heartbeat`` is what a watcher may write into it to learn
+        whether a caller is still there."""
+        ...
+
     async def send_whole(self, status: int, body: bytes, *, content_type: str) -> None: ...
     async def until_gone(self, body: Body | None, heartbeat: bytes) -> None:
         """Raise :class:`ConnectionLost` once the caller is known to be gone; return when
@@ -77,14 +76,14 @@ class ConnectionCaller:
     def http_version(self) -> bytes:
         return self.conn.their_http_version or b""
 
-    async def start(self, status: int, *, content_type: str) -> Body:
+    async def start(self, status: int, *, content_type: str, heartbeat: bytes) -> Body:
         return await ChunkedBody.start(self.conn, status, content_type=content_type)
 
     async def send_whole(self, status: int, body: bytes, *, content_type: str) -> None:
         await send_body(self.conn, status, body, content_type=content_type)
 
     async def until_gone(self, body: Body | None, heartbeat: bytes) -> None:
-        await _watch_caller(self.conn, body, heartbeat)
+        await self.conn.watch_peer(None if body is None else partial(body.send, heartbeat))
 
 
 async def supervise(
@@ -193,27 +192,3 @@ class _Heartbeat:
         except ConnectionLost as exc:
             self.lost = exc
             self.batch.cancel()
-
-
-async def _watch_caller(conn: HttpConnection, body: Body | None, heartbeat: bytes) -> None:
-    """Raise :class:`ConnectionLost` once the caller is known to be gone; return when nothing
-    more can be learned by watching."""
-    await conn.wait_until_peer_stops_sending()
-    if body is None:
-        # HTTP/1.0: no byte may be written before the answer, so a half-closed caller and a
-        # departed one cannot be told apart; a reset is still noticed, the deadline bounds the rest.
-        return
-    await body.send(heartbeat)
-    await trio.sleep(probe_delay_s(conn))
-    await body.send(heartbeat)
-
-
-def probe_delay_s(conn: HttpConnection) -> float:
-    """How long after the first probe write the second goes: twice the connection's measured
-    round trip and a millisecond (a departed caller's kernel answers the first with a reset
-    within one round trip; the second and the millisecond absorb jitter and scheduling), never
-    more than ``PROBE_DELAY_S`` — which is the delay when the kernel does not say."""
-    round_trip = conn.round_trip_s()
-    if round_trip is None:
-        return PROBE_DELAY_S
-    return min(PROBE_DELAY_S, 2 * round_trip + 0.001)

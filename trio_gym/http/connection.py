@@ -8,7 +8,7 @@ and the trainer client drive their exchanges through it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Final, overload
 
 import attrs
@@ -24,6 +24,10 @@ Role = type[h11.CLIENT] | type[h11.SERVER]
 _HEAD_STATES: Final = (h11.IDLE, h11.SEND_RESPONSE)
 # Enough of a request's first bytes to hold any method name and the space after it.
 _METHOD_BYTES: Final = 16
+# Two probe writes tell a half-closed peer from a departed one (see probe_delay_s): this far
+# apart at most, and when the kernel does not say what the round trip is. For a round trip
+# longer than that the next heartbeat write notices instead, within one more interval.
+PROBE_DELAY_S: Final = 0.2
 
 
 @attrs.define
@@ -306,6 +310,32 @@ class HttpConnection:
         block forever against a peer that neither sends nor closes.
         """
         await self._discard_until_eof(math.inf)
+
+    async def watch_peer(self, probe: Callable[[], Awaitable[None]] | None) -> None:
+        """Raise :class:`ConnectionLost` once the peer is known to be gone; return when nothing
+        more can be learned by watching (a server answering a whole request).
+
+        An end-of-file is a half-close as often as a departure: ``probe`` — a write the peer's
+        reader skips, a heartbeat — is made twice, :meth:`probe_delay_s` apart, and a departed
+        peer's kernel answers the first with a reset, which the second meets. Without one (an
+        HTTP/1.0 answer writes nothing before the answer) a reset is still noticed.
+        """
+        await self.wait_until_peer_stops_sending()
+        if probe is None:
+            return
+        await probe()
+        await trio.sleep(self.probe_delay_s())
+        await probe()
+
+    def probe_delay_s(self) -> float:
+        """How long after the first probe write the second goes: twice the measured round trip
+        and a millisecond (a departed peer's kernel answers the first with a reset within one
+        round trip; the second and the millisecond absorb jitter and scheduling), never more
+        than ``PROBE_DELAY_S`` — which is the delay when the transport does not say."""
+        round_trip = self.round_trip_s()
+        if round_trip is None:
+            return PROBE_DELAY_S
+        return min(PROBE_DELAY_S, 2 * round_trip + 0.001)
 
     async def close(self) -> None:
         """Close so that the peer reads everything we sent, then release the transport.
