@@ -3222,7 +3222,7 @@ MUTATIONS = [
     Mutation(
         "batches not bounded by max_batches (#36)",
         "trio_gym/host/rollouts.py",
-        "    services.check_batch_room()  # then nothing waits until it is counted\n",
+        "        services.check_batch_room()  # then nothing waits until it is counted\n",
         "",
         (
             "tests/test_reattach.py::test_keyed_batches_whose_callers_hung_up_after_the_head_never_run_more_than_the_limit",
