@@ -3467,7 +3467,7 @@ MUTATIONS = [
     ),
     Mutation(
         "trio-gym status shows a bad identity file's content (#36)",
-        "trio_gym/trainer/status.py",
+        "trio_gym/trainer/hosts.py",
         '            "(its content is not shown)"',
         '            f"(it holds {identity!r})"',
         (
@@ -3530,6 +3530,22 @@ MUTATIONS = [
         "        return self.state is not BatchState.ACCEPTED and self.size > 0",
         "        return self.state is not BatchState.ACCEPTED",
         ("tests/test_reattach.py::test_a_keyed_batch_of_no_examples_is_answered_and_not_kept",),
+    ),
+    Mutation(
+        "trio-gym run presents no identity to the hosts it is given (#36)",
+        "trio_gym/fleet/spread.py",
+        '            HostHandle(f"host-{index}", url, identity=identity) for index, url in enumerate(urls)',
+        '            HostHandle(f"host-{index}", url) for index, url in enumerate(urls)',
+        (
+            "tests/test_run_command.py::test_run_presents_the_identity_in_its_file_to_hosts_launched_with_one",
+        ),
+        also=(
+            (
+                "trio_gym/fleet/spread.py",
+                "url, client_settings, progress=progress, stats=stats, identity=identity",
+                "url, client_settings, progress=progress, stats=stats",
+            ),
+        ),
     ),
 ]
 

@@ -216,12 +216,19 @@ async def test_run_says_which_launched_host_failed_to_start_and_why(tmp_path: Pa
         (("--launch", "local:0"), b"--launch 'local:0': launch at least one host"),
         (("--launch", "local:1", "--url", "http://127.0.0.1:9"), b"give --url or --launch, not"),
         (("--url", "ftp://h"), b"'ftp://h': only http:// URLs are supported"),
+        (
+            ("--launch", "local:1", "--identity-file", "IDENTITY_FILE"),
+            b"--identity-file is for --url",
+        ),
+        (("--url", "http://h:1", "--identity-file", "/nonexistent"), b"cannot read the identity"),
     ],
 )
 async def test_a_choice_of_hosts_that_cannot_work_exits_2_saying_why(
     tmp_path: Path, hosts: tuple[str, ...], expected: bytes
 ) -> None:
     examples = write_examples(tmp_path / "in.jsonl", [{"id": 0}])
+    (tmp_path / "identity").write_text("an-identity\n")
+    hosts = tuple(str(tmp_path / "identity") if arg == "IDENTITY_FILE" else arg for arg in hosts)
     done = await trio_gym_run(str(examples), *hosts)
     assert done.returncode == 2
     assert expected in done.stderr
@@ -264,3 +271,24 @@ async def test_a_host_that_never_answers_is_given_up_on_at_the_flags_timeouts(
     assert b"within 0.5 s of the request's end (head_timeout_s)" in stalled.stderr
     assert quiet.returncode == 1  # heartbeats every 15 s: 0.5 s of silence ends it
     assert b"0.5" in quiet.stderr
+
+
+@pytest.mark.parametrize("urls", [1, 2], ids=["one-url", "two-urls"])
+async def test_run_presents_the_identity_in_its_file_to_hosts_launched_with_one(
+    tmp_path: Path, urls: int
+) -> None:
+    """Such a host serves only callers that send it; the file may end in CRLF (a Windows
+    editor's), which is not part of the identity."""
+    identity = uuid.uuid4().hex
+    (tmp_path / "identity").write_bytes(identity.encode() + b"\r\n")
+    examples = write_examples(tmp_path / "in.jsonl", [{"seed": i} for i in range(4)])
+    async with running_host(runner=CountingRunner(), host_identity=identity) as (host, port):
+        given = [arg for _ in range(urls) for arg in ("--url", f"http://127.0.0.1:{port}")]
+        done = await trio_gym_run(
+            str(examples), *given, "--identity-file", str(tmp_path / "identity")
+        )
+        refused = await trio_gym_run(str(examples), *given, "--out", str(tmp_path / "r.jsonl"))
+    assert done.returncode == 0, done.stderr
+    assert [json.loads(line)["seed"] for line in done.stdout.splitlines()] == [0, 1, 2, 3]
+    assert refused.returncode == 1 and b"identity_required" in refused.stderr
+    assert identity.encode() not in done.stderr + refused.stderr

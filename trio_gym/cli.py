@@ -42,9 +42,10 @@ from trio_gym.http import Endpoint
 from trio_gym.install import InstallError, PackageError, install_environment, load_package
 from trio_gym.trainer import ClientSettings
 from trio_gym.trainer.batch_file import run_file
+from trio_gym.trainer.hosts import read_identity
 from trio_gym.trainer.metrics import FleetStats, serve_metrics
 from trio_gym.trainer.scheduler import SchedulerSettings
-from trio_gym.trainer.status import read_identity, show_status
+from trio_gym.trainer.status import show_status
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,6 +92,12 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="a host, e.g. http://127.0.0.1:8080; repeat it to spread the file over several",
+    )
+    run_cmd.add_argument(
+        "--identity-file",
+        type=Path,
+        help="with --url: a file holding the identity the hosts were launched with "
+        "(NMP_HOST_IDENTITY); such a host serves only callers that send it",
     )
     run_cmd.add_argument(
         "--launch",
@@ -240,13 +247,11 @@ def _status(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"trio-gym status: {exc}", file=sys.stderr)
         return 2
-    identity = ""
-    if args.identity_file is not None:
-        try:
-            identity = read_identity(args.identity_file)
-        except ValueError as exc:
-            print(f"trio-gym status: {exc}", file=sys.stderr)
-            return 2
+    try:
+        identity = "" if args.identity_file is None else read_identity(args.identity_file)
+    except ValueError as exc:
+        print(f"trio-gym status: {exc}", file=sys.stderr)
+        return 2
     live = sys.stdout.isatty() and not args.once
     show = partial(show_status, args.urls, interval_s=args.interval, live=live, identity=identity)
     try:
@@ -373,8 +378,10 @@ def _run(args: argparse.Namespace) -> int:
             http_version="1.0" if args.http10 else "1.1",
             failures="records",  # a failed example costs no other its result
         )
+        identity = "" if args.identity_file is None else read_identity(args.identity_file)
         run_batch = batch_runner(
             urls=args.urls,
+            identity=identity,
             launch=None if args.launch is None else Launch.parse(args.launch),
             spec=_launched_host_spec(args.host_config),
             client_settings=settings,

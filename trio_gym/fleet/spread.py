@@ -57,12 +57,16 @@ def batch_runner(
     client_settings: ClientSettings,
     pool_settings: SchedulerSettings,
     stats: FleetStats | None = None,
+    identity: str = "",
 ) -> BatchRunner:
     """The call that runs one batch on the hosts chosen (each example's outcome, as
-    :data:`~trio_gym.trainer.batch_file.BatchRunner` says); raises ``ValueError`` for a choice
-    that cannot work (no hosts, both URLs and a launch, a bad URL)."""
+    :data:`~trio_gym.trainer.batch_file.BatchRunner` says), presenting ``identity`` to hosts
+    given by URL; raises ``ValueError`` for a choice that cannot work (no hosts, both URLs and
+    a launch, a bad URL, an identity for hosts a launch gives their own)."""
     if launch is not None and urls:
         raise ValueError("give --url or --launch, not both")
+    if launch is not None and identity:
+        raise ValueError("--identity-file is for --url: launched hosts get identities of their own")
     if launch is None and not urls:
         raise ValueError("give the hosts: --url URL (repeatable) or --launch KIND:N")
     for url in urls:
@@ -91,12 +95,16 @@ def batch_runner(
         async def run_on_one(
             examples: Sequence[Mapping[str, Any]], progress: Progress
         ) -> list[Any]:
-            client = RolloutClient(url, client_settings, progress=progress, stats=stats)
+            client = RolloutClient(
+                url, client_settings, progress=progress, stats=stats, identity=identity
+            )
             return await client.outcomes(examples)
 
         return run_on_one
     if launch is None:
-        given = [HostHandle(f"host-{index}", url) for index, url in enumerate(urls)]
+        given = [
+            HostHandle(f"host-{index}", url, identity=identity) for index, url in enumerate(urls)
+        ]
 
         async def run_on_given(
             examples: Sequence[Mapping[str, Any]], progress: Progress

@@ -191,8 +191,9 @@ def _holds_identity(identity: str, head: h11.Request) -> bool:
     if not all([hmac.compare_digest(value, expected) for value in presented]):  # each compared
         raise WireError(
             ErrorCode.WRONG_HOST,
-            f"this request's {HOST_IDENTITY_HEADER} is another host's identity: the host it "
-            "was meant for is gone and this one now holds its address; ask that host's "
+            f"this request's {HOST_IDENTITY_HEADER} is another host's: the identity sent is "
+            "not the one this host was launched with (the host it was meant for may be gone, "
+            "and this one now holds its address); check the identity, or ask that host's "
             "provider for the host it launched",
         )
     return True

@@ -71,9 +71,8 @@ class Services:
         attached to them or not (a keyed batch runs on after its caller hung up)."""
         limit = self.config.max_batches
         if self.stats.batches_running >= limit:
-            raise host_busy(
-                f"running its maximum of {limit} batches", "max_batches", "NMP_MAX_BATCHES"
-            )
+            running = f"running its maximum of {limit} batch{'es' if limit != 1 else ''}"
+            raise host_busy(running, "max_batches", "NMP_MAX_BATCHES")
 
 
 class Host:

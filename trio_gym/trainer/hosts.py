@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import json
+from pathlib import Path
 from typing import Protocol
 
 import attrs
@@ -56,6 +57,22 @@ class HostHandle:
         if not self.identity:
             return self.headers
         return (*self.headers, (HOST_IDENTITY_HEADER, self.identity))
+
+
+def read_identity(path: Path) -> str:
+    """The identity held in ``path``, its line's end (CRLF too) dropped; ``ValueError`` naming
+    the file — never its content — when it cannot be read or cannot travel in a header."""
+    try:
+        identity = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "it is not ASCII"
+        raise ValueError(f"cannot read the identity file {path}: {reason}") from None
+    if not identity or not identity.isprintable():
+        raise ValueError(
+            f"the identity file {path} holds no identity on one line of visible ASCII "
+            "(its content is not shown)"
+        )
+    return identity
 
 
 class HealthStatus(enum.StrEnum):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Final, TextIO
 
 import attrs
@@ -58,22 +57,6 @@ class Reading:
         return found
 
 
-def read_identity(path: Path) -> str:
-    """The identity held in ``path``, its line's end (CRLF too) dropped; ``ValueError`` naming
-    the file — never its content — when it cannot be read or cannot travel in a header."""
-    try:
-        identity = path.read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) else "it is not ASCII"
-        raise ValueError(f"cannot read the identity file {path}: {reason}") from None
-    if not identity or not identity.isprintable():
-        raise ValueError(
-            f"the identity file {path} holds no identity on one line of visible ASCII "
-            "(its content is not shown)"
-        )
-    return identity
-
-
 def parse_metrics(text: str) -> Samples:
     """Every sample of an exposition, by name and labels (Prometheus's own parser)."""
     try:
@@ -119,6 +102,8 @@ async def read_host(url: str, *, timeout_s: float, identity: str = "") -> Readin
                     why = f"/metrics is not Prometheus text: {exc}"
             elif response.status == DEFAULT_STATUS[ErrorCode.IDENTITY_REQUIRED]:
                 why = "it answers only the holder of its identity: give --identity-file"
+            elif response.status == DEFAULT_STATUS[ErrorCode.WRONG_HOST]:
+                why = "the identity given is not the one this host was launched with"
             else:
                 why = f"/metrics answered HTTP {response.status}"
     if waited.cancelled_caught:
