@@ -181,6 +181,57 @@ async def exchange(
     return await read_reply(stream, method=method)
 
 
+def control_fields(directory: str, lease_s: float) -> dict[str, dict[str, Any]]:
+    """Every POST operation of the control plane (by name), with the fields besides its id
+    and deadline of a body the host would carry out: a test that sends each fails here when
+    an operation is added."""
+    return {
+        "prepare": {"lease_s": lease_s},
+        "renew": {"lease_s": lease_s},
+        "commit": {"directory": directory},
+        "resume": {},
+        "restore": {"directory": directory},
+        "retire": {"rollouts": []},
+        "forget": {},
+    }
+
+
+@attrs.frozen
+class RawAnswer:
+    """An answer read to the connection's end: its bytes as they came, and as h11 reads them."""
+
+    raw: bytes
+    status: int
+    headers: list[str]
+    body: bytes
+
+
+async def raw_answer(port: int, request: bytes, method: str) -> RawAnswer:
+    """``request`` on a TCP connection of its own, and everything the host sent back."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    raw = b""
+    async with stream:
+        await stream.send_all(request)
+        with trio.fail_after(20):
+            while data := await stream.receive_some(65536):
+                raw += data
+    parser = h11.Connection(h11.CLIENT)
+    parser.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
+    parser.send(h11.EndOfMessage())
+    parser.receive_data(raw)
+    parser.receive_data(b"")
+    status, headers, body = 0, [], b""
+    while (event := parser.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
+        if isinstance(event, h11.Response):
+            status = event.status_code
+            headers = [name.decode() for name, _ in event.headers]
+        elif isinstance(event, h11.Data):
+            body += event.data
+        elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+            break
+    return RawAnswer(raw, status, headers, body)
+
+
 @asynccontextmanager
 async def running_host(
     config: ServeConfig | None = None, *, runner: Runner | None = None, **overrides: Any

@@ -17,14 +17,13 @@ from typing import Any, Final
 
 import trio
 
-from tests.helpers import request_bytes
+from tests.helpers import control_fields, raw_answer, request_bytes
 from tests.processes import HANG_GUARD_S
 from tests.recorded import Hosts, assert_each_ran_once, examples
 from trio_gym.exposition import PREFIX
 from trio_gym.fleet import LocalProvider
 from trio_gym.host.lifecycle import STAGES
 from trio_gym.http import BodyFailed, Endpoint, HttpLimits, NoResponse, exchange
-from trio_gym.http.h11_build import h11
 from trio_gym.protocol.control import OPERATIONS, STATUS
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER, identity_digest
 from trio_gym.protocol.rollouts import (
@@ -45,16 +44,6 @@ from trio_gym.trainer.scheduler import RemoteHost, SchedulerSettings
 TRAINER_SLEEP_S: Final = 4.0
 TRAINER_EXAMPLES: Final = 3
 NEIGHBOUR_IDS: Final = 1000  # the neighbour's examples, were any to run, are recorded from here
-# Every POST operation of the control plane, with a body the host would carry out.
-CONTROL_FIELDS: Final[dict[str, dict[str, Any]]] = {
-    "prepare": {"lease_s": 30.0},
-    "renew": {"lease_s": 30.0},
-    "commit": {"directory": "{directory}"},
-    "resume": {},
-    "restore": {"directory": "{directory}"},
-    "retire": {"rollouts": []},
-    "forget": {},
-}
 REFUSAL_HEADERS: Final = {"content-type", "content-length", "connection"}
 
 Ask = tuple[str, str, str, list[tuple[str, str]], bytes]
@@ -82,10 +71,7 @@ def neighbour_asks(key: str, token: str, directory: str) -> list[Ask]:
     for name, operation in OPERATIONS.items():
         if operation is STATUS:
             continue
-        fields = {
-            field: value.format(directory=directory) if isinstance(value, str) else value
-            for field, value in CONTROL_FIELDS[name].items()  # a new operation fails here
-        }
+        fields = control_fields(directory, lease_s=30.0)[name]
         deadline = time.time() + 60  # clock-ok: the control plane's deadlines are wall times
         body = {"checkpoint_id": "neighbour-1", "deadline": deadline, **fields}
         asks.append(
@@ -131,38 +117,6 @@ def as_presented(variant: str) -> list[tuple[str, str]]:
 VARIANTS: Final = ("none", "empty", "wrong")
 
 
-async def ask_raw(port: int, request: bytes, method: str) -> dict[str, Any]:
-    """One request on a connection of its own; the answer's bytes as they came, and as h11
-    reads them."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    raw = b""
-    async with stream:
-        await stream.send_all(request)
-        with trio.fail_after(20):
-            while data := await stream.receive_some(65536):
-                raw += data
-    parser = h11.Connection(h11.CLIENT)
-    parser.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
-    parser.send(h11.EndOfMessage())
-    parser.receive_data(raw)
-    parser.receive_data(b"")
-    status, headers, body = 0, [], b""
-    while (event := parser.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
-        if isinstance(event, h11.Response):
-            status = event.status_code
-            headers = [name.decode() for name, _ in event.headers]
-        elif isinstance(event, h11.Data):
-            body += event.data
-        elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-            break
-    return {
-        "status": status,
-        "headers": headers,
-        "body": body.decode(),
-        "raw": raw.decode("latin-1"),
-    }
-
-
 async def neighbour(url: str, key: str, token: str, directory: str) -> list[dict[str, Any]]:
     port = Endpoint.parse(url).port
     answers = []
@@ -171,7 +125,13 @@ async def neighbour(url: str, key: str, token: str, directory: str) -> list[dict
             request = request_bytes(
                 body, method=method, target=target, headers=[*headers, *as_presented(variant)]
             )
-            answer = await ask_raw(port, request, method)
+            got = await raw_answer(port, request, method)
+            answer = {
+                "status": got.status,
+                "headers": got.headers,
+                "body": got.body.decode(),
+                "raw": got.raw.decode("latin-1"),
+            }
             answers.append({"variant": variant, "ask": name, **answer})
     return answers
 

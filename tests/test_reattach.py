@@ -29,7 +29,7 @@ from trio_gym.host import Host, handle_connection
 from trio_gym.host.reattach import ANSWER_OVERHEAD_BYTES
 from trio_gym.host.rollouts import THREAD_PARSE_BYTES
 from trio_gym.http.h11_build import h11
-from trio_gym.runners import ExampleRunner
+from trio_gym.runners import ExampleRunner, Runner
 from trio_gym.trainer import ClientSettings, RolloutClient
 
 KEY = "chunk-7f3a"
@@ -50,7 +50,7 @@ def keyed(body: dict[str, Any], key: str = KEY, *, rows: bool = False) -> bytes:
 
 
 @asynccontextmanager
-async def keyed_host(runner: CountingRunner, **config: Any) -> AsyncIterator[Any]:
+async def keyed_host(runner: Runner, **config: Any) -> AsyncIterator[Any]:
     host = Host(ServeConfig(port=0, heartbeat_interval_s=15, **config), runner=runner)
     async with trio.open_nursery() as nursery:
 
@@ -363,7 +363,7 @@ async def read_head(stream: trio.abc.Stream) -> Reply:
             return Reply(status=event.status_code)
         if isinstance(event, h11.ConnectionClosed):
             return Reply()  # closed without an answer: status 0
-        parser.receive_data(await stream.receive_some(65536))
+        parser.receive_data(bytes(await stream.receive_some(65536)))
 
 
 async def test_health_says_busy_while_every_batch_that_may_run_runs(

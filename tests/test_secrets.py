@@ -26,14 +26,20 @@ import attrs
 import pytest
 import trio
 
-from tests.helpers import CountingRunner, ScriptedRunner, request_bytes, running_host
+from tests.helpers import (
+    CountingRunner,
+    ScriptedRunner,
+    control_fields,
+    raw_answer,
+    request_bytes,
+    running_host,
+)
 from tests.processes import HANG_GUARD_S
 from tests.recorded import Hosts
 from trio_gym.errors import REDACTED
 from trio_gym.exposition import PREFIX
 from trio_gym.fleet import LocalProvider
 from trio_gym.host.lifecycle import Ready
-from trio_gym.http.h11_build import h11
 from trio_gym.logs import LOGGER, JsonLinesFormatter
 from trio_gym.protocol.control import OPERATIONS, PREPARE, RESUME, STATUS
 from trio_gym.protocol.host_identity import HOST_IDENTITY_HEADER
@@ -60,15 +66,7 @@ OVERLONG: Final = 15_000
 AUTHORIZATION: Final = "Authorization"
 # Every POST operation's fields besides its id and deadline: a body the host would carry out
 # but for its deadline, which had passed (the variants must never close admission).
-FIELDS: Final[dict[str, dict[str, Any]]] = {
-    "prepare": {"lease_s": 5.0},
-    "renew": {"lease_s": 5.0},
-    "commit": {"directory": "/nonexistent/secrets"},
-    "resume": {},
-    "restore": {"directory": "/nonexistent/secrets"},
-    "retire": {"rollouts": []},
-    "forget": {},
-}
+FIELDS: Final = control_fields("/nonexistent/secrets", lease_s=5.0)
 
 
 def secret_text() -> str:
@@ -227,32 +225,6 @@ class Answer:
         return self.raw.decode("latin-1")
 
 
-async def ask(port: int, request: bytes, method: str) -> tuple[bytes, int, bytes]:
-    """One request on a connection of its own: the answer's bytes as they came, its status
-    and body as h11 reads them."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
-    raw = b""
-    async with stream:
-        await stream.send_all(request)
-        with trio.fail_after(20):
-            while data := await stream.receive_some(65536):
-                raw += data
-    parser = h11.Connection(h11.CLIENT)
-    parser.send(h11.Request(method=method, target="/", headers=[("host", "x")]))
-    parser.send(h11.EndOfMessage())
-    parser.receive_data(raw)
-    parser.receive_data(b"")
-    status, body = 0, b""
-    while (event := parser.next_event()) not in (h11.NEED_DATA, h11.PAUSED):
-        if isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.Data):
-            body += event.data
-        elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
-            break
-    return raw, status, body
-
-
 def holder_headers(identity: str, token: str) -> list[tuple[str, str]]:
     return [(HOST_IDENTITY_HEADER, identity), (AUTHORIZATION, f"Bearer {token}")]
 
@@ -270,7 +242,8 @@ async def exercise(
         variant: Variant, method: str, target: str, headers: list[Any], body: bytes
     ) -> None:
         request = request_bytes(body, method=method, target=target, headers=headers)
-        raw, status, content = await ask(port, request, method)
+        got = await raw_answer(port, request, method)
+        raw, status, content = got.raw, got.status, got.body
         answers.append(Answer(variant, method, target, raw, status, content))
 
     normal = Variant("as its holder sends it, a checkpoint", (identity,), (f"Bearer {token}",))
