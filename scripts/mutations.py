@@ -3547,6 +3547,24 @@ MUTATIONS = [
             ),
         ),
     ),
+    Mutation(
+        "a starting deployment looked at after a growing backoff (#37)",
+        "trio_gym/runners/deployment.py",
+        "            await trio.sleep(START_POLL_S)",
+        "            await trio.sleep(5.0)",
+        (
+            "tests/test_gym_runner.py::test_a_starting_deployment_is_seen_up_within_a_poll_and_its_wait_logged_once",
+        ),
+    ),
+    Mutation(
+        "a starting deployment's wait logged at every look (#37)",
+        "trio_gym/runners/deployment.py",
+        "                if str(exc) != reason:",
+        "                if True:",
+        (
+            "tests/test_gym_runner.py::test_a_starting_deployment_is_seen_up_within_a_poll_and_its_wait_logged_once",
+        ),
+    ),
 ]
 
 

@@ -19,14 +19,18 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
+from tests.fake_gym import FakeHeadServer, agent_instance
 from tests.helpers import request_bytes, running_host, tcp_exchange
 from tests.packages import native_package
 from tests.processes import LogReader, kill_all, processes_with, serve_process
 from trio_gym.config import ServeConfig, load_serve_config
 from trio_gym.host import Host
 from trio_gym.host.lifecycle import Failed
+from trio_gym.http import Endpoint, HttpLimits
 from trio_gym.install import load_package
+from trio_gym.runners.deployment import START_POLL_S, wait_for_deployment
 from trio_gym.runners.gym import (
     DEPLOYMENT_VARIABLE,
     GymStartFailed,
@@ -418,3 +422,36 @@ def test_a_ray_temp_directory_too_long_for_its_sockets_is_refused_naming_it() ->
         check_ray_socket_paths({"TMPDIR": long})
     assert f"({long}/ray/session_" in str(refused.value) and "RAY_TMPDIR" in str(refused.value)
     check_ray_socket_paths({"TMPDIR": long, "RAY_TMPDIR": short})  # Ray's own variable first
+
+
+async def test_a_starting_deployment_is_seen_up_within_a_poll_and_its_wait_logged_once(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found measuring where a Gym host's start goes (issue 37): a growing backoff noticed Gym
+    up to 5 s after it said all its servers were ready. Virtual time, in-memory streams."""
+    caplog.set_level(logging.INFO, logger="trio_gym")
+    head = FakeHeadServer({"agent": agent_instance(9)}, ready=False)
+    async with trio.open_nursery() as nursery:
+
+        async def opener(endpoint: object) -> trio.abc.Stream:
+            await trio.lowlevel.checkpoint()
+            client, server = trio.testing.memory_stream_pair()
+            nursery.start_soon(head.handle, server)
+            return client
+
+        async def ready_at_last() -> None:
+            await trio.sleep(300.1)  # between two looks, whichever cadence
+            head.ready = True
+
+        nursery.start_soon(ready_at_last)
+        await wait_for_deployment(
+            Endpoint.parse("http://head.invalid:1"),
+            limits=HttpLimits(),
+            opener=opener,
+            timeout_s=600,
+            probe_servers=False,
+        )
+        seen_after = trio.current_time() - 300.1
+    waits = [record for record in caplog.records if record.getMessage() == "deployment_not_ready"]
+    assert 0 <= seen_after <= START_POLL_S
+    assert len(waits) == 1  # the same reason all along: said once, not a line per look

@@ -351,7 +351,6 @@ class AgentsRunner:
             limits=self.limits,
             opener=self.opener,
             timeout_s=self.settings.start_timeout_s,
-            backoff_s=self.settings.retry_backoff_s,
             probe_servers=False,
         )
         self.directory.learn(deployment)

@@ -9,7 +9,7 @@ From it, :class:`Deployment` knows every server, which environment servers front
 A deployment is *up* when its head server's ``/health`` is 200 — Gym marks it so once every
 server and model endpoint answers; a Gym without that route answers 404, which counts — and,
 when asked, every server it lists answers HTTP at all. :func:`wait_for_deployment` looks until
-then, with a growing backoff, saying what it waits for (``/health`` shows it).
+then, looking every ``START_POLL_S``, saying what it waits for (``/health`` shows it).
 """
 
 from __future__ import annotations
@@ -39,8 +39,10 @@ AGENT_KEY: Final = "responses_api_agents"
 ENVIRONMENT_KEY: Final = "environment_servers"
 AGENT_SERVER_FIELD: Final = "agent_server"
 TASKSET_ROUTES_KEY: Final = "environment_server_routes"
-# The longest single wait between looks at a deployment that is not up yet.
-MAX_START_BACKOFF_S: Final = 5.0
+# Between looks at a deployment that is not up yet. A look is a loopback request or two (refused,
+# or a 503); every second between Gym being up and the host seeing it is a second the host is
+# not ready (a growing backoff once cost up to 5 s there: NOTES.md, issue 37).
+START_POLL_S: Final = 0.25
 # How long one readiness probe of a server may take.
 PROBE_TIMEOUT_S: Final = 5.0
 
@@ -272,26 +274,24 @@ async def wait_for_deployment(
     limits: HttpLimits,
     opener: StreamOpener,
     timeout_s: float,
-    backoff_s: float,
     probe_servers: bool,
 ) -> Deployment:
-    """:func:`check_deployment` until it is up, looking again after a growing backoff (at most
-    :data:`MAX_START_BACKOFF_S`), each reason reported to ``/health`` meanwhile. Raises
-    :class:`AgentError` once ``timeout_s`` has passed, with the last reason."""
+    """:func:`check_deployment` until it is up, every :data:`START_POLL_S`, each reason
+    reported to ``/health`` meanwhile and logged when it changes. Raises :class:`AgentError`
+    once ``timeout_s`` has passed, with the last reason."""
     reason = "it was never looked at"
     with trio.move_on_after(timeout_s):
-        attempt = 0
         while True:
             try:
                 return await check_deployment(
                     head, limits=limits, opener=opener, probe_servers=probe_servers
                 )
             except DeploymentNotReady as exc:
+                if str(exc) != reason:
+                    log_event("deployment_not_ready", head_server=head.authority, reason=str(exc))
                 reason = str(exc)
-            attempt += 1
             report_start_progress(reason)
-            log_event("deployment_not_ready", head_server=head.authority, reason=reason)
-            await trio.sleep(min(backoff_s * attempt, MAX_START_BACKOFF_S))
+            await trio.sleep(START_POLL_S)
     raise AgentError(
         f"the Gym deployment at {head.authority} was not up within {timeout_s:g} s "
         f"(gym_start_timeout_s): {reason}"

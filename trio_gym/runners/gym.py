@@ -427,7 +427,6 @@ class GymDeployment:
                     limits=self.limits,
                     opener=self.opener,
                     timeout_s=self.config.gym_start_timeout_s,
-                    backoff_s=self.config.agent_retry_backoff_s,
                     probe_servers=True,
                 )
             except AgentError as exc:
