@@ -82,8 +82,16 @@ GET_METRICS = request_bytes(method="GET", target="/metrics")
 
 
 async def hold(port: int, request: bytes) -> trio.SocketStream:
+    """A batch taken and held: once its answer's head has arrived, the host has let it in
+    (the host admits connections in whatever order it schedules them: a scrape sent after an
+    unanswered request may take its place)."""
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     await stream.send_all(request)
+    head = b""
+    with trio.fail_after(HANG_GUARD_S):
+        while b"\r\n\r\n" not in head:
+            head += await stream.receive_some(65536)
+    assert head.startswith(b"HTTP/1.1 200"), head
     return stream
 
 
