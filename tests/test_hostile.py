@@ -106,6 +106,12 @@ def get(target: str, headers: Sequence[tuple[str, str]] = (), method: str = "GET
     return request_bytes(method=method, target=target, headers=headers)
 
 
+def control(operation: str, headers: Sequence[tuple[str, str]]) -> bytes:
+    """A control-plane operation under checkpoint ``c1``, with a deadline that never passes."""
+    call = json.dumps({"checkpoint_id": "c1", "deadline": FAR_FUTURE}).encode()
+    return post(call, headers, target=f"{CONTROL}{operation}")
+
+
 def with_header(request: bytes, name: bytes, value: bytes) -> bytes:
     """``request`` with one more header line, ``name: value``, its bytes as given (CR, LF, NUL
     and all), last among the headers."""
@@ -275,15 +281,16 @@ class Answer:
 
     @property
     def code(self) -> str:
-        try:
-            return str(self.json()["error"]["code"])
-        except (ValueError, KeyError, TypeError):
-            return ""
+        return self._error("code")
 
     @property
     def message(self) -> str:
+        return self._error("message")
+
+    def _error(self, field: str) -> str:
+        """A field of the error envelope; empty when the body is not one."""
         try:
-            return str(self.json()["error"]["message"])
+            return str(self.json()["error"][field])
         except (ValueError, KeyError, TypeError):
             return ""
 
@@ -314,7 +321,8 @@ def _dechunked(data: bytes) -> tuple[bytes, bytes, bool]:
 
 
 def parse_answer(raw: bytes, *, head_request: bool = False) -> Answer:
-    """The first final response in ``raw`` (interim 1xx ones skipped), and what followed it."""
+    """The first final response in ``raw`` (interim 1xx ones skipped), and what followed it.
+    Not h11: answers h11 wrote are judged by a reader that is not h11, strict on framing."""
     rest = raw
     while True:
         if not rest:
@@ -504,29 +512,17 @@ def hostile_requests(
         ),
         (
             "control-prepare-wrong-token",
-            lambda: post(
-                json.dumps({"checkpoint_id": "c1", "deadline": FAR_FUTURE}).encode(),
-                [me, ("Authorization", f"Bearer {token[:-1]}")],
-                target=f"{CONTROL}prepare",
-            ),
+            lambda: control("prepare", [me, ("Authorization", f"Bearer {token[:-1]}")]),
             frozenset({401}),
         ),
         (
             "control-resume",
-            lambda: post(
-                json.dumps({"checkpoint_id": "c1", "deadline": FAR_FUTURE}).encode(),
-                [me, ("Authorization", auth)],
-                target=f"{CONTROL}resume",
-            ),
+            lambda: control("resume", [me, ("Authorization", auth)]),
             frozenset({200}),
         ),
         (
             "control-renew",
-            lambda: post(
-                json.dumps({"checkpoint_id": "c1", "deadline": FAR_FUTURE}).encode(),
-                [me, ("Authorization", auth)],
-                target=f"{CONTROL}renew",
-            ),
+            lambda: control("renew", [me, ("Authorization", auth)]),
             frozenset({409}),
         ),
         (

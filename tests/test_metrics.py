@@ -20,7 +20,7 @@ import trio
 import trio.testing
 
 from tests.fake_gym import FakeAgentServer
-from tests.helpers import CountingRunner, exchange, request_bytes, tcp_exchange
+from tests.helpers import CountingRunner, exchange, request_bytes, running_host, tcp_exchange
 from tests.processes import LogReader, run_trio_gym, write_examples
 from tests.scrape import Samples, parse, scrape, value
 from trio_gym.config import ServeConfig
@@ -29,6 +29,8 @@ from trio_gym.host import Host, handle_connection
 from trio_gym.host.metrics import HostCollector
 from trio_gym.host.stats import MAX_FOREIGN_LABELS, OTHER, ForeignLabels
 from trio_gym.protocol.control import PREPARE, RESTORE, RESUME
+from trio_gym.trainer.hosts import HealthStatus, HostHandle
+from trio_gym.trainer.status import read_host
 
 HANG_GUARD_S = 60
 
@@ -469,3 +471,27 @@ async def test_a_stopping_host_carries_out_no_control_operation_but_a_resume() -
         assert answers[name].json()["error"]["code"] == "shutting_down"
     # The resume passed the stop and met its own check: an empty body is not a resume.
     assert answers["resume"].json()["error"]["code"] == "invalid_request"
+
+
+@pytest.mark.parametrize(
+    ("identity", "health", "why"),
+    [
+        ("ours", HealthStatus.READY, ""),
+        (
+            "",
+            HealthStatus.READY,
+            "it answers only the holder of its identity: give --identity-file",
+        ),
+        ("theirs", HealthStatus.WRONG_HOST, "the identity given is not the one this host was"),
+    ],
+    ids=["held", "none", "another"],
+)
+async def test_status_reads_a_host_launched_with_an_identity_as_its_holder_only(
+    identity: str, health: HealthStatus, why: str
+) -> None:
+    async with running_host(runner=CountingRunner(), host_identity="ours") as (host, port):
+        url = f"http://127.0.0.1:{port}"
+        reading = await read_host(HostHandle(url, url, identity=identity), timeout_s=5)
+    assert reading.health.status is health
+    assert reading.why.startswith(why)
+    assert (reading.samples is not None) is (identity == "ours")

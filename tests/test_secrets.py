@@ -122,6 +122,19 @@ class Variant:
     objects_to: str = ""
 
 
+def near_misses(secret: str, other: str) -> list[tuple[str, str | None]]:
+    """Values that are almost ``secret``, or another host's, each with how it differs."""
+    return [
+        (f"{OVERLONG} characters long", (secret * OVERLONG)[:OVERLONG]),
+        ("of another host", other),
+        ("without its last character", secret[:-1]),
+        ("without its first character", secret[1:]),
+        ("its first eight characters", secret[:FRAGMENT]),
+        ("its last eight characters", secret[-FRAGMENT:]),
+        ("with a character more at the end", secret + "G"),
+    ]
+
+
 def variants(identity: str, token: str) -> list[Variant]:
     bearer = f"Bearer {token}"
     other = secret_text()
@@ -153,29 +166,10 @@ def variants(identity: str, token: str) -> list[Variant]:
         made.append(
             of_token(describe, shape.format(token, token[12:]), AUTHORIZATION if named else "")
         )
-    for describe, value in [
-        (f"{OVERLONG} characters long", (identity * OVERLONG)[:OVERLONG]),
-        ("of another host", other),
-        ("without its last character", identity[:-1]),
-        ("without its first character", identity[1:]),
-        ("its first eight characters", identity[:FRAGMENT]),
-        ("its last eight characters", identity[-FRAGMENT:]),
-        ("with a character more at the end", identity + "G"),
-        ("with a character more at the start", "G" + identity),
-        ("empty", ""),
-        ("absent", None),
-    ]:
+    more = [("with a character more at the start", "G" + identity), ("empty", "")]
+    for describe, value in [*near_misses(identity, other), *more, ("absent", None)]:
         made.append(of_identity(describe, value))
-    for describe, value in [
-        (f"{OVERLONG} characters long", (token * OVERLONG)[:OVERLONG]),
-        ("of another host", other),
-        ("without its last character", token[:-1]),
-        ("without its first character", token[1:]),
-        ("its first eight characters", token[:FRAGMENT]),
-        ("its last eight characters", token[-FRAGMENT:]),
-        ("with a character more at the end", token + "G"),
-        ("absent", None),
-    ]:
+    for describe, value in [*near_misses(token, other), ("absent", None)]:
         made.append(of_token(describe, value))
     overlong = Variant(
         "identity and token, both overlong (a head over its limit)",

@@ -25,7 +25,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from trio_gym.errors import describe_validation_error, without_userinfo
-from trio_gym.http import HttpLimits
+from trio_gym.http import HttpLimits, travels_in_a_header
 from trio_gym.logs import log_event
 
 MiB: Final = 1024 * 1024
@@ -263,7 +263,7 @@ class ServeConfig(BaseModel):
     def _header_carries_it(cls, value: str) -> str:
         """Both travel in a header, where nothing but visible ASCII and inner spaces survives:
         one read from a file with Windows line endings would match no caller, ever."""
-        if value and not (value.isascii() and value.isprintable() and value == value.strip()):
+        if value and not travels_in_a_header(value):
             raise ValueError(
                 "must be visible ASCII with no space at either end (a header carries it; "
                 "a value read from a file with Windows line endings ends in a CR)"

@@ -37,20 +37,17 @@ class Admitted:
     slots: trio.CapacityLimiter
 
 
-@attrs.define(eq=False)
+@attrs.frozen(eq=False)
 class Ticket:
-    """One connection's place, held until :meth:`release`: its socket's close gives it back
-    (a handler may hold a keyed batch on after that), and its handler's end makes sure."""
+    """One connection's place, until its socket closes (the connection's ``on_close``, once):
+    a handler may hold a keyed batch on after that."""
 
     admitted: Admitted
     _admission: Admission
-    _held: bool = True
 
     def release(self) -> None:
-        """Give the place back; synchronous, so cancellation cannot lose it; idempotent."""
-        if self._held:
-            self._held = False
-            self._admission.release(self)
+        """Give the place back; synchronous, so cancellation cannot lose it."""
+        self._admission.release(self)
 
 
 class Admission:

@@ -9,7 +9,7 @@ from typing import Any, Final
 
 import trio
 
-from trio_gym.errors import ErrorCode, WireError
+from trio_gym.errors import ErrorCode, WireError, bounded
 from trio_gym.http import encode_json
 from trio_gym.http.messages import BODY_PIECE_BYTES
 from trio_gym.protocol.identity import (
@@ -213,9 +213,7 @@ def failure_record(
 def describe_failure(failure: ExampleFailed, note: str = "") -> str:
     """ "example i failed: Type: message", ``note``, the innermost frames; each part bounded."""
     error = failure.error
-    headline = f"{type(error).__name__}: {error}"
-    if len(headline) > HEADLINE_CHARS:
-        headline = f"{headline[:HEADLINE_CHARS]}... ({len(headline)} characters)"
+    headline = bounded(f"{type(error).__name__}: {error}", HEADLINE_CHARS)
     frames = "".join(traceback.format_tb(error.__traceback__, limit=-TRACEBACK_FRAMES))
     if len(frames) > TRACEBACK_CHARS:
         frames = "...\n" + frames[-TRACEBACK_CHARS:]

@@ -19,7 +19,7 @@ from typing import Any, Final
 import pydantic
 import trio
 
-from trio_gym.errors import ErrorCode, WireError, describe_validation_error
+from trio_gym.errors import ErrorCode, WireError, describe_validation_error, shown
 from trio_gym.http import HttpConnection, read_body, send_json
 from trio_gym.http.h11_build import h11
 from trio_gym.protocol.control import (
@@ -49,7 +49,9 @@ MAX_CONTROL_BODY: Final = 1024 * 1024
 def _absolute(directory: str) -> Path:
     path = Path(directory)
     if not path.is_absolute():
-        raise WireError(ErrorCode.INVALID_REQUEST, f"directory {directory!r} must be absolute")
+        raise WireError(
+            ErrorCode.INVALID_REQUEST, f"directory {shown(directory.encode())} must be absolute"
+        )
     return path
 
 

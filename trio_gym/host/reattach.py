@@ -48,9 +48,9 @@ class AnswerLog:
 
     status: int = 0
     content_type: str = ""
-    chunked: bool = True
-    heartbeat: bytes = b""
-    """What a caller's watcher may write into a chunked answer to learn whether it is there."""
+    heartbeat: bytes | None = None
+    """What a caller's watcher may write into the answer to learn whether it is there; ``None``
+    for a buffered answer (HTTP/1.0), which nothing may be written into before its end."""
     pieces: list[bytes] = attrs.field(factory=list)
     size: int = 0
     started: bool = False
@@ -62,8 +62,8 @@ class AnswerLog:
 
     def start(self, status: int, content_type: str, *, heartbeat: bytes | None) -> None:
         """Begin the answer: chunked, with ``heartbeat``; buffered (HTTP/1.0) with ``None``."""
-        self.status, self.content_type = status, content_type
-        self.chunked, self.heartbeat, self.started = heartbeat is not None, heartbeat or b"", True
+        self.status, self.content_type, self.heartbeat = status, content_type, heartbeat
+        self.started = True
         self.changes.note()
 
     def add(self, data: bytes, *, last: bool = False) -> None:
@@ -110,6 +110,16 @@ class KeyedBatch:
     refusal: WireError | None = None
     """Why it was refused before its answer began, for the callers attached by then."""
     caller_changes: Changes = attrs.field(factory=Changes)
+
+    @property
+    def gone(self) -> Gone:
+        """Why its key runs nothing any more, once it stopped before its answer ended."""
+        return Gone.GIVEN_UP if self.batch.given_up else Gone.STOPPED
+
+    @property
+    def kept_bytes(self) -> int:
+        """What keeping its finished answer costs, counted against the bytes kept."""
+        return self.log.size + ANSWER_OVERHEAD_BYTES
 
 
 Runs = Callable[["KeyedCaller"], Awaitable[None]]
@@ -160,7 +170,7 @@ class KeyedBatches:
         """What a caller of a batch that stopped before its answer began is told."""
         if batch.refusal is not None:
             return batch.refusal
-        return self._expired(batch.key, Gone.GIVEN_UP if batch.batch.given_up else Gone.STOPPED)
+        return self._expired(batch.key, batch.gone)
 
     async def run(
         self, key: str, batch: Batch, digest: str, conn: HttpConnection, run: Runs
@@ -212,14 +222,14 @@ class KeyedBatches:
         if batch.log.ended and ran:
             batch.finished_at = trio.current_time()
             self._finished[batch.key] = batch
-            self._finished_bytes += batch.log.size + ANSWER_OVERHEAD_BYTES
+            self._finished_bytes += batch.kept_bytes
             self._forget_old()
             return
         if not batch.log.ended:  # refused, or cut (abandoned, given up, stopped, a bug)
             batch.log.breaks()
         del self._batches[batch.key]
         if ran:
-            self.memory.ran.add(batch.key, Gone.GIVEN_UP if batch.batch.given_up else Gone.STOPPED)
+            self.memory.ran.add(batch.key, batch.gone)
 
     def cancel(self, key: str) -> bool:
         """Give up the batch running under ``key`` now; whether there was one. A key that holds
@@ -284,10 +294,10 @@ class KeyedBatches:
         await _watched(conn, None, partial(_until_begun, log))
         if not log.started:  # refused, given up or stopped before its answer began
             raise self._unanswered(batch)
-        body = None
-        if log.chunked:
+        body, probe = None, None
+        if log.heartbeat is not None:
             body = await ChunkedBody.start(conn, log.status, content_type=log.content_type)
-        probe = None if body is None else partial(body.send, log.heartbeat)
+            probe = partial(body.send, log.heartbeat)
         await _watched(conn, probe, partial(_copy_until_ended, log, body))
         # The end goes out once the watcher is gone: no probe can follow it.
         if body is None:
@@ -313,7 +323,7 @@ class KeyedBatches:
                 break
             if not batch.callers:
                 dropped.append(batch)
-                self._finished_bytes -= batch.log.size + ANSWER_OVERHEAD_BYTES
+                self._finished_bytes -= batch.kept_bytes
         for batch in dropped:
             del self._finished[batch.key]
             del self._batches[batch.key]

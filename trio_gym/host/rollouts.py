@@ -195,9 +195,8 @@ async def answer_rollouts(services: Services, conn: HttpConnection, head: h11.Re
         min_rate=services.limits.min_body_rate,
         advice=TOO_LARGE_ADVICE,
     )
-    batch = Batch(key=key)
     if key is None:
-        await run_batch(services, ConnectionCaller(conn), batch, body, rows)
+        await run_batch(services, ConnectionCaller(conn), Batch(), body, rows)
         return
     keyed = services.keyed
     digest = request_digest(body, rows=rows, http_version=conn.their_http_version or b"")
@@ -205,6 +204,7 @@ async def answer_rollouts(services: Services, conn: HttpConnection, head: h11.Re
     if found is not None:
         await keyed.attach(found, conn)
         return
+    batch = Batch(key=key)
     await keyed.run(
         key, batch, digest, conn, lambda caller: run_batch(services, caller, batch, body, rows)
     )

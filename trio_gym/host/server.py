@@ -244,14 +244,10 @@ async def handle_connection(
     transport = StreamTransport(
         stream, send_timeout_s=limits.send_timeout_s, buffer_bytes=buffer_bytes
     )
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(transport.send_queued_forever)
-            conn = _connection(host, transport, ticket)
-            await _answer(host.services, conn, ticket.admitted.busy)
-            nursery.cancel_scope.cancel()
-    finally:
-        ticket.release()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(transport.send_queued_forever)
+        await _answer(host.services, _connection(host, transport, ticket), ticket.admitted.busy)
+        nursery.cancel_scope.cancel()
 
 
 async def handle_socket(host: Host, sock: trio.socket.SocketType) -> None:
@@ -261,12 +257,9 @@ async def handle_socket(host: Host, sock: trio.socket.SocketType) -> None:
         sock.close()
         await trio.lowlevel.checkpoint()
         return
-    try:
-        await _answer(
-            host.services, _connection(host, SocketTransport(sock), ticket), ticket.admitted.busy
-        )
-    finally:
-        ticket.release()
+    await _answer(
+        host.services, _connection(host, SocketTransport(sock), ticket), ticket.admitted.busy
+    )
 
 
 def _admit(host: Host) -> Ticket | None:
@@ -277,7 +270,8 @@ def _admit(host: Host) -> Ticket | None:
 
 
 def _connection(host: Host, transport: Transport, ticket: Ticket) -> HttpConnection:
-    """The server's side of an admitted connection; its place is given back when it closes."""
+    """The server's side of an admitted connection; its place is given back when it closes
+    (:func:`_answer` closes it, whatever happens)."""
     traffic = host.services.stats.traffic
     return HttpConnection(
         transport, h11.SERVER, ticket.admitted.limits, traffic=traffic, on_close=ticket.release

@@ -28,6 +28,7 @@ from trio_gym.http.messages import (
     send_body,
     send_empty,
     send_json,
+    travels_in_a_header,
 )
 from trio_gym.http.transport import (
     ConnectionLost,
@@ -66,4 +67,5 @@ __all__ = [
     "send_empty",
     "send_json",
     "transport_of",
+    "travels_in_a_header",
 ]

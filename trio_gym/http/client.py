@@ -27,7 +27,7 @@ from trio_gym.errors import WireError, without_userinfo
 from trio_gym.http.connection import HttpConnection
 from trio_gym.http.h11_build import h11
 from trio_gym.http.limits import HttpLimits
-from trio_gym.http.messages import read_body, send_message
+from trio_gym.http.messages import read_body, send_message, travels_in_a_header
 from trio_gym.http.transport import ConnectionLost, transport_of
 
 # A request body up to this size is sent before the answer is read, not beside it.
@@ -334,7 +334,7 @@ def build_request(
     the caller).
     """
     for name, value in headers:
-        if not (value.isascii() and value.isprintable() and value == value.strip()):
+        if not travels_in_a_header(value):
             raise ValueError(
                 f"the {name} header's value is not visible ASCII with no space at either end "
                 "(a CR from a file with Windows line endings?); its value is not shown"

@@ -194,6 +194,13 @@ _TOKEN: Final = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _FORBIDDEN_IN_VALUES: Final = {0x0D: "a CR", 0x0A: "an LF", 0x00: "a NUL"}
 
 
+def travels_in_a_header(value: str) -> bool:
+    """Whether ``value`` arrives as it was sent in a header: visible ASCII and inner spaces
+    only (h11 strips the ends of a value, refuses CR, LF and NUL, and a value read from a file
+    with Windows line endings ends in a CR)."""
+    return value.isascii() and value.isprintable() and value == value.strip()
+
+
 def protocol_problem(exc: h11.ProtocolError) -> str:
     """What h11 found wrong with a peer's bytes, in words that never carry those bytes."""
     text = str(exc)

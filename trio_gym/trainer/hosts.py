@@ -25,6 +25,7 @@ from trio_gym.http import (
     StreamOpener,
     exchange,
     open_tcp,
+    travels_in_a_header,
 )
 from trio_gym.protocol.host_identity import (
     HEALTH_IDENTITY_FIELD,
@@ -67,7 +68,7 @@ def read_identity(path: Path) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) else "it is not ASCII"
         raise ValueError(f"cannot read the identity file {path}: {reason}") from None
-    if not identity or not identity.isprintable():
+    if not identity or not travels_in_a_header(identity):
         raise ValueError(
             f"the identity file {path} holds no identity on one line of visible ASCII "
             "(its content is not shown)"

@@ -72,11 +72,11 @@ def parse_metrics(text: str) -> Samples:
     }
 
 
-async def read_host(url: str, *, timeout_s: float, identity: str = "") -> Reading:
-    """``/health`` and ``/metrics`` of the host at ``url``, each within ``timeout_s``, as the
-    holder of ``identity`` (a host launched with one tells anyone else only whether it is
+async def read_host(handle: HostHandle, *, timeout_s: float) -> Reading:
+    """``/health`` and ``/metrics`` of the host ``handle`` names, each within ``timeout_s``, as
+    the holder of its identity (a host launched with one tells anyone else only whether it is
     ready). Raises :class:`MetricsUnavailable` without ``prometheus_client``."""
-    handle = HostHandle(url, url, identity=identity)
+    url = handle.url
     health = await probe(handle, timeout_s=timeout_s)
     at = trio.current_time()
     why = ""
@@ -179,14 +179,14 @@ def table(lines: Sequence[Mapping[str, str]]) -> str:
     )
 
 
-async def read_all(urls: Sequence[str], timeout_s: float, identity: str = "") -> list[Reading]:
-    readings: list[Reading | None] = [None] * len(urls)
+async def read_all(hosts: Sequence[HostHandle], timeout_s: float) -> list[Reading]:
+    readings: list[Reading | None] = [None] * len(hosts)
 
     async def read(index: int) -> None:
-        readings[index] = await read_host(urls[index], timeout_s=timeout_s, identity=identity)
+        readings[index] = await read_host(hosts[index], timeout_s=timeout_s)
 
     async with trio.open_nursery() as nursery:
-        for index in range(len(urls)):
+        for index in range(len(hosts)):
             nursery.start_soon(read, index)
     return [reading for reading in readings if reading is not None]
 
@@ -200,14 +200,15 @@ async def show_status(
     timeout_s: float = 5.0,
     identity: str = "",
 ) -> int:
-    """Print the view (see the module docstring); 0 when every host is ready, 1 otherwise
-    (live, it runs until cancelled). Raises :class:`MetricsUnavailable` at once without
-    ``prometheus_client``."""
+    """Print the view (see the module docstring) of the hosts at ``urls``, presenting
+    ``identity`` to them; 0 when every host is ready, 1 otherwise (live, it runs until
+    cancelled). Raises :class:`MetricsUnavailable` at once without ``prometheus_client``."""
     parse_metrics("")  # not after the first reads: a missing library is said before anything
-    before = await read_all(urls, timeout_s, identity)
+    hosts = [HostHandle(url, url, identity=identity) for url in urls]
+    before = await read_all(hosts, timeout_s)
     if not live:
         await trio.sleep(interval_s)
-        now = await read_all(urls, timeout_s, identity)
+        now = await read_all(hosts, timeout_s)
         out.write(table([line_of(n, b) for n, b in zip(now, before, strict=True)]) + "\n")
         out.flush()
         return 0 if all(r.health.status is HealthStatus.READY for r in now) else 1
@@ -221,4 +222,4 @@ async def show_status(
         )
         out.flush()
         await trio.sleep(interval_s)
-        previous, now = now, await read_all(urls, timeout_s, identity)
+        previous, now = now, await read_all(hosts, timeout_s)
