@@ -7,7 +7,9 @@
 #   sandbox_platform.sh stop STATE    # stops what start started, by PID; safe to repeat
 #
 # start writes STATE/env (KEY=VALUE lines) for the suite, which reads it from
-# TRIO_GYM_PLATFORM_ENV: DOCKER_HOST, TRIO_GYM_HOST_IMAGE, OPEN_SANDBOX_DOMAIN, OPEN_SANDBOX_API_KEY. Slow pieces are cached outside the checkout, in
+# TRIO_GYM_PLATFORM_ENV: DOCKER_HOST, TRIO_GYM_HOST_IMAGE, OPEN_SANDBOX_DOMAIN,
+# OPEN_SANDBOX_API_KEY, TRIO_GYM_PLATFORM_MOUNTS (a directory sandboxes may mount). Slow pieces
+# are cached outside the checkout, in
 # ${TRIO_GYM_CACHE:-~/.cache/trio-gym}/platform: Debian's packages once per machine, the
 # debootstrap root file system, the daemon's images, opensandbox-server's venv.
 # Exit 3: this machine cannot have the platform (not root, no apt-get); the suite then skips,
@@ -132,6 +134,12 @@ start() {
       { tail -20 "$state/pip.log" >&2; rm -rf "$venv"; exit 1; }
   fi
   local port api_key
+  # What sandboxes may mount, read-only by the tests' choice: the directory the tests hand
+  # packages in through, the cache holding real Gym's environment (scripts/gym_env.sh) and the
+  # interpreters it may be built on (pyenv's). Nothing else of the machine.
+  local gym_cache=${TRIO_GYM_CACHE:-$HOME/.cache/trio-gym}
+  local pyenv_versions=${PYENV_ROOT:-$HOME/.pyenv}/versions
+  mkdir -p "$state/mounts"
   port=$(free_port)
   api_key=$(python3 -c 'import secrets; print(secrets.token_hex(16))')
   cat >"$state/opensandbox.toml" <<EOF
@@ -158,7 +166,7 @@ type = "sqlite"
 path = "$state/opensandbox.db"
 
 [storage]
-allowed_host_paths = []
+allowed_host_paths = ["$state/mounts", "$gym_cache", "$pyenv_versions"]
 EOF
   "$venv/bin/opensandbox-server" --config "$state/opensandbox.toml" >"$state/opensandbox.log" 2>&1 &
   echo $! >"$state/opensandbox.pid"
@@ -171,6 +179,7 @@ DOCKER_HOST=$DOCKER_HOST
 TRIO_GYM_HOST_IMAGE=$HOST_IMAGE
 OPEN_SANDBOX_DOMAIN=127.0.0.1:$port
 OPEN_SANDBOX_API_KEY=$api_key
+TRIO_GYM_PLATFORM_MOUNTS=$state/mounts
 EOF
   say "up: dockerd ($DOCKER_HOST), opensandbox-server $OPENSANDBOX_VERSION on 127.0.0.1:$port"
 }

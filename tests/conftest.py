@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,6 +14,7 @@ import trio
 import trio.testing
 
 from tests.processes import kill_all
+from tests.real_gym import REPO, RealGym, Stub, gym_site, real_gym_python
 from tests.recorded import TOKEN_VARIABLE, Hosts
 
 SLOW_IMPORT_GATE = threading.Event()
@@ -64,3 +67,28 @@ def hosts(tmp_path: Path) -> Iterator[Hosts]:
     made = Hosts(tmp_path)
     yield made
     kill_all(TOKEN_VARIABLE, made.token)  # a failed test's leftovers; a passing one has none
+
+
+@pytest.fixture(scope="module")
+def real_gym(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealGym]:
+    """Real NeMo Gym's interpreter and the stub model its deployments call (one per module);
+    the test is skipped, saying why, where Gym is not built."""
+    python = real_gym_python()
+    if python is None:
+        pytest.skip(
+            "real NeMo Gym is not built here: run scripts/gym_env.sh (it needs a Python 3.13; "
+            ".ci/run does it)"
+        )
+    port_file = tmp_path_factory.mktemp("stub") / "port"
+    stub = subprocess.Popen([sys.executable, "-m", "tests.stub_model", str(port_file)], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 30  # clock-ok: a test fixture waiting for a subprocess
+        while not port_file.exists() or not port_file.read_text():
+            assert time.monotonic() < deadline and stub.poll() is None, (
+                "the stub did not start"
+            )  # clock-ok
+            time.sleep(0.05)  # clock-ok
+        yield RealGym(python, gym_site(python), Stub(stub, int(port_file.read_text())))
+    finally:
+        stub.kill()
+        stub.wait()

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -247,6 +248,10 @@ def comparable(value: Any) -> Any:
     return value
 
 
+def by_identity(records: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    return {(r["_ng_task_index"], r["_ng_rollout_index"]): r for r in records}
+
+
 def row(agent: str, text: str, task: int, **extra: Any) -> dict[str, Any]:
     params = {"input": [{"role": "user", "content": text}], "tools": TOOLS}
     return {
@@ -266,6 +271,28 @@ def taskset_row(text: str, task: int) -> dict[str, Any]:
         "_ng_task_index": task,
         "_ng_rollout_index": 0,
     }
+
+
+@attrs.frozen
+class Stub:
+    process: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def stats(self) -> dict[str, int]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats", timeout=10) as reply:
+            stats: dict[str, int] = json.load(reply)
+            return stats
+
+
+@attrs.frozen
+class RealGym:
+    python: str
+    site: Path
+    stub: Stub
 
 
 @attrs.frozen

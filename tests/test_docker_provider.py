@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from trio_gym.fleet import DockerProvider, HostSpec, LaunchFailed
+from trio_gym.fleet import DockerProvider, HostSpec, LaunchFailed, Mount
 from trio_gym.fleet.docker import _is_orphaned, _machine, _owner
 
 
@@ -34,3 +34,12 @@ def test_only_this_machines_dead_trainers_own_orphans() -> None:
     assert not _is_orphaned(f"another-machine/{parent}/0")  # never judged here
     assert not _is_orphaned("not-a-label")
     assert not _is_orphaned(f"{machine}/999999999/None")  # no start time (no /proc): not judged
+
+
+@pytest.mark.parametrize(
+    ("source", "target"),
+    [("relative/dir", "/in"), ("/a,readonly=false", "/in"), ("/a", "/in\nx"), ("/a", "")],
+)
+def test_a_mount_docker_cannot_carry_is_refused_naming_the_rule(source: str, target: str) -> None:
+    with pytest.raises(ValueError, match="must be an absolute path without a comma"):
+        Mount(source, target)

@@ -39,15 +39,15 @@ from tests.helpers import read_reply, request_bytes, tcp_exchange
 from tests.real_gym import (
     REPO,
     Launched,
+    RealGym,
+    by_identity,
     comparable,
     environment_of,
     gym_global_config,
-    gym_site,
     gyms_own_collection,
     launched_host,
     prebuilt_venvs,
     read_jsonl,
-    real_gym_python,
     row,
     tagged_processes,
     taskset_row,
@@ -64,57 +64,12 @@ ROWS = [("Accept", "application/x-ndjson")]
 
 
 @attrs.frozen
-class Stub:
-    process: subprocess.Popen[bytes]
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/v1"
-
-    def stats(self) -> dict[str, int]:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats", timeout=10) as reply:
-            stats: dict[str, int] = json.load(reply)
-            return stats
-
-
-@attrs.frozen
-class RealGym:
-    python: str
-    site: Path
-    stub: Stub
-
-
-@attrs.frozen
 class Deployment:
     launched: Launched
     port: int
     tag: str
     head: str
     """Where Gym's head server is (host:port)."""
-
-
-@pytest.fixture(scope="module")
-def real_gym(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealGym]:
-    python = real_gym_python()
-    if python is None:
-        pytest.skip(
-            "real NeMo Gym is not built here: run scripts/gym_env.sh (it needs a Python 3.13; "
-            ".ci/run does it)"
-        )
-    port_file = tmp_path_factory.mktemp("stub") / "port"
-    stub = subprocess.Popen([sys.executable, "-m", "tests.stub_model", str(port_file)], cwd=REPO)
-    try:
-        deadline = time.monotonic() + 30  # clock-ok: a test fixture waiting for a subprocess
-        while not port_file.exists() or not port_file.read_text():
-            assert time.monotonic() < deadline and stub.poll() is None, (
-                "the stub did not start"
-            )  # clock-ok
-            time.sleep(0.05)  # clock-ok
-        yield RealGym(python, gym_site(python), Stub(stub, int(port_file.read_text())))
-    finally:
-        stub.kill()
-        stub.wait()
 
 
 def wait_until_up(launched: Launched) -> Deployment:
@@ -414,10 +369,6 @@ def agents_host(
     finally:
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=HANG_GUARD_S)
-
-
-def by_identity(records: list[dict[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
-    return {(r["_ng_task_index"], r["_ng_rollout_index"]): r for r in records}
 
 
 # Where a failure record of ours may differ from Gym's for the same failed /run: Gym's name its

@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from tests.processes import HANG_GUARD_S, kill_all, processes_with
-from trio_gym.fleet import HostSpec, LaunchFailed
+from trio_gym.fleet import HostSpec, LaunchFailed, Mount
 from trio_gym.http import Endpoint, HttpLimits, exchange
 from trio_gym.trainer.host_client import ClientSettings
 from trio_gym.trainer.pool import HostPool
@@ -114,7 +114,8 @@ async def fake(tmp_path: Path) -> AsyncIterator[FakeServer]:
 async def test_hosts_run_in_sandboxes_and_are_killed_when_the_block_ends(
     fake: FakeServer,
 ) -> None:
-    provider = fake.provider()
+    mounts = [Mount("/srv/gym", "/opt/gym"), Mount.same_path("/srv/out", read_only=False)]
+    provider = fake.provider(mounts=mounts)
     with trio.fail_after(HANG_GUARD_S):
         async with provider.hosts(2, fake.spec()) as handles:
             assert [handle.name for handle in handles] == ["sandbox-0", "sandbox-1"]
@@ -138,6 +139,12 @@ async def test_hosts_run_in_sandboxes_and_are_killed_when_the_block_ends(
         assert request["env"]["NMP_RUNTIME_HTTP_PORT"] == "8080"
         assert request["timeout"] == 14400
         assert set(request["metadata"]) == {LAUNCH_KEY, "trio-gym-host"}
+        assert request["volumes"] == [
+            {"name": "mount-0", "host": {"path": "/srv/gym"}, "mountPath": "/opt/gym",
+             "readOnly": True},
+            {"name": "mount-1", "host": {"path": "/srv/out"}, "mountPath": "/srv/out",
+             "readOnly": False},
+        ]  # fmt: skip
         # The platform's credential never reaches the sandbox.
         assert not any(API_KEY in value for value in request["env"].values())
         assert not any(name.startswith("OPEN_SANDBOX") for name in request["env"])

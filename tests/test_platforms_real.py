@@ -1,17 +1,13 @@
 """Hosts launched on real sandbox platforms: a real Docker daemon (no bridge: every address is
 loopback) and a real opensandbox-server 1.1.1 on it, every OpenSandbox call through the server's
-own proxy. ``scripts/sandbox_platform.sh`` provides them (``.ci/run`` starts it and names the
-file it wrote in ``TRIO_GYM_PLATFORM_ENV``: read here, never exported, so no other test's hosts
-inherit the server's key); without them the suite is skipped, saying so. Real processes and
+own proxy (``tests/platforms.py``); without them the suite is skipped, saying so. Real processes and
 sockets: the real clock.
 
 Each test counts what it leaves behind: no container, no sandbox."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +15,17 @@ from typing import Any
 import pytest
 import trio
 
+from tests.platforms import (
+    DOCKER,
+    IMAGE,
+    containers,
+    docker,
+    live_sandboxes,
+    needs_docker,
+    needs_opensandbox,
+    opensandbox_provider,
+    sandbox_containers,
+)
 from trio_gym.fleet import DockerProvider, HostSpec, LaunchFailed
 from trio_gym.fleet.docker import LAUNCH_LABEL, OWNER_LABEL
 from trio_gym.trainer import RolloutClient, RolloutError
@@ -31,40 +38,7 @@ from trio_gym.trainer.scheduler import SchedulerSettings
 pytestmark = pytest.mark.platform
 
 
-def _platform() -> dict[str, str]:
-    path = os.environ.get("TRIO_GYM_PLATFORM_ENV", "")
-    if not path or not Path(path).is_file():
-        return {}
-    return dict(line.split("=", 1) for line in Path(path).read_text().splitlines() if "=" in line)
-
-
-PLATFORM = _platform()
-IMAGE = PLATFORM.get("TRIO_GYM_HOST_IMAGE", "")
-DOCKER = PLATFORM.get("DOCKER_HOST", "")
-OPENSANDBOX = PLATFORM.get("OPEN_SANDBOX_DOMAIN", "")
-API_KEY = PLATFORM.get("OPEN_SANDBOX_API_KEY", "")
 HANG_GUARD_S = 300
-
-needs_docker = pytest.mark.skipif(
-    not (IMAGE and DOCKER),
-    reason="no real Docker daemon and host image: .ci/run starts them "
-    "(scripts/sandbox_platform.sh start DIR; TRIO_GYM_PLATFORM_ENV=DIR/env)",
-)
-needs_opensandbox = pytest.mark.skipif(
-    not (IMAGE and DOCKER and OPENSANDBOX),
-    reason="no real opensandbox-server: .ci/run starts it (scripts/sandbox_platform.sh)",
-)
-
-
-def docker(*args: str) -> str:
-    return subprocess.run(
-        ["docker", "--host", DOCKER, *args], check=True, capture_output=True, text=True, timeout=60
-    ).stdout
-
-
-def containers(*filters: str) -> list[str]:
-    arguments = [item for value in filters for item in ("--filter", value)]
-    return docker("ps", "-aq", *arguments).split()
 
 
 def listening_on(port: int) -> set[str]:
@@ -221,36 +195,6 @@ async def test_containers_of_a_trainer_killed_outright_are_swept_by_the_next(
 
 
 # --- OpenSandbox --------------------------------------------------------------------------
-
-
-def opensandbox_provider(**settings: Any) -> Any:
-    from trio_gym.fleet.opensandbox import OpenSandboxProvider
-
-    return OpenSandboxProvider(
-        image=IMAGE,
-        entrypoint=["bash", "/opt/trio-gym/gym_host.sh", "/opt/venv/bin/python"],
-        domain=OPENSANDBOX,
-        api_key=API_KEY,
-        poll_interval_s=0.3,
-        **settings,
-    )
-
-
-def live_sandboxes() -> list[str]:
-    from opensandbox.config import ConnectionConfigSync
-    from opensandbox.models.sandboxes import SandboxFilter
-    from opensandbox.sync import SandboxManagerSync
-
-    manager = SandboxManagerSync.create(ConnectionConfigSync(domain=OPENSANDBOX, api_key=API_KEY))
-    try:
-        found = manager.list_sandbox_infos(SandboxFilter(states=["Pending", "Running"]))
-        return [info.id for info in found.sandbox_infos]
-    finally:
-        manager.close()
-
-
-def sandbox_containers() -> list[str]:
-    return containers("label=opensandbox.io/id")
 
 
 @needs_opensandbox

@@ -6,7 +6,7 @@ Each provider launches hosts, waits until they are ready and stops them when its
 """
 
 from trio_gym.fleet.docker import DockerProvider
-from trio_gym.fleet.launch import HostSpec, Provider, wait_ready
+from trio_gym.fleet.launch import HostSpec, Mount, Provider, wait_ready
 from trio_gym.fleet.local import LocalProvider
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
 
@@ -16,6 +16,7 @@ __all__ = [
     "HostSpec",
     "LaunchFailed",
     "LocalProvider",
+    "Mount",
     "Provider",
     "wait_ready",
 ]

@@ -32,14 +32,14 @@ import socket
 import tarfile
 import tempfile
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
 import attrs
 import trio
 
-from trio_gym.fleet.launch import HostSpec, Launches, new_identity, wait_ready
+from trio_gym.fleet.launch import HostSpec, Launches, Mount, new_identity, wait_ready
 from trio_gym.logs import log_event
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
 
@@ -77,6 +77,7 @@ class DockerProvider:
         network: str = "host",
         publish_address: str = "127.0.0.1",
         container_port: int = 8080,
+        mounts: Sequence[Mount] = (),
         poll_interval_s: float = 0.5,
         command_timeout_s: float = 60.0,
         log_tail_lines: int = 40,
@@ -89,6 +90,7 @@ class DockerProvider:
         self.network = network
         self.publish_address = publish_address
         self.container_port = container_port
+        self.mounts = tuple(mounts)
         self.poll_interval_s = poll_interval_s
         self.command_timeout_s = command_timeout_s
         self.log_tail_lines = log_tail_lines
@@ -208,6 +210,11 @@ class DockerProvider:
         publish = [] if on_host_network else [
             "--publish", f"{self.publish_address}::{self.container_port}"
         ]  # fmt: skip
+        binds = [
+            f"--mount=type=bind,source={m.source},target={m.target}"
+            + (",readonly" if m.read_only else "")
+            for m in self.mounts
+        ]
         # The env file is read by `docker run` and removed at once: its secrets are never on a
         # command line, and never on disk longer than the call.
         with tempfile.NamedTemporaryFile("w", prefix="trio-gym-env-", suffix=".list") as file:
@@ -218,7 +225,7 @@ class DockerProvider:
             try:
                 output = await self._docker(
                     "run", "--detach", "--name", container_name,
-                    "--network", self.network, *publish,
+                    "--network", self.network, *publish, *binds,
                     "--env-file", file.name,
                     "--label", f"{OWNER_LABEL}={_owner()}",
                     "--label", f"{LAUNCH_LABEL}={self.launch_id}",

@@ -66,6 +66,30 @@ class HostSpec:
         return {**self.environment, **token, **named}
 
 
+def _absolute_path(_: object, field: attrs.Attribute[str], value: str) -> None:
+    if not value.startswith("/") or any(c in value for c in ',"\n\0'):
+        raise ValueError(
+            f"a mount's {field.name} must be an absolute path without a comma, a quote, a line "
+            f"break or NUL (Docker's --mount syntax cannot carry them), not {value!r}"
+        )
+
+
+@attrs.frozen
+class Mount:
+    """A directory of the machine the platform runs on, seen inside every launched host at
+    ``target``: what an operator's image would hold (Gym's Python, prebuilt venvs) or what a
+    launch hands in (an environment package). Read-only unless said otherwise."""
+
+    source: str = attrs.field(validator=_absolute_path)
+    target: str = attrs.field(validator=_absolute_path)
+    read_only: bool = True
+
+    @classmethod
+    def same_path(cls, path: str, *, read_only: bool = True) -> Mount:
+        """``path`` at the same path inside: a venv's absolute links keep working."""
+        return cls(path, path, read_only)
+
+
 class Provider(Launcher, Protocol):
     """Launches hosts and owns them (see the module docstring); also a pool's launcher."""
 

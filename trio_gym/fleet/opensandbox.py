@@ -43,7 +43,7 @@ import attrs
 import trio
 
 from trio_gym.errors import raise_unwrapped
-from trio_gym.fleet.launch import HostSpec, Launches, new_identity, wait_ready
+from trio_gym.fleet.launch import HostSpec, Launches, Mount, new_identity, wait_ready
 from trio_gym.logs import log_event
 from trio_gym.trainer.hosts import HostHandle, LaunchFailed
 
@@ -84,9 +84,11 @@ class OpenSandboxProvider:
     """Launches hosts as OpenSandbox sandboxes; one ``hosts()`` block at a time.
 
     ``entrypoint`` runs the host inside the image (``gym_host.sh`` and the runtime that has
-    trio_gym); ``host_network`` says the sandboxes share the machine's network (then each host
-    listens on its own port of ``ports``; otherwise on ``port``); ``domain`` and ``api_key``
-    default to the SDK's own (``OPEN_SANDBOX_DOMAIN``, ``OPEN_SANDBOX_API_KEY``).
+    trio_gym); ``mounts`` are host-path volumes of every sandbox (the server's
+    ``[storage] allowed_host_paths`` must admit them); ``host_network`` says the sandboxes
+    share the machine's network (then each host listens on its own port of ``ports``;
+    otherwise on ``port``); ``domain`` and ``api_key`` default to the SDK's own
+    (``OPEN_SANDBOX_DOMAIN``, ``OPEN_SANDBOX_API_KEY``).
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class OpenSandboxProvider:
         port: int = 8080,
         ttl_s: float = 14400.0,
         resource: Mapping[str, str] | None = None,
+        mounts: Sequence[Mount] = (),
         use_server_proxy: bool = True,
         create_attempts: int = 2,
         poll_interval_s: float = 1.0,
@@ -126,6 +129,7 @@ class OpenSandboxProvider:
         self.port = port
         self.ttl_s = ttl_s
         self.resource = dict(resource) if resource else None
+        self.mounts = tuple(mounts)
         self.use_server_proxy = use_server_proxy
         self.create_attempts = create_attempts
         self.poll_interval_s = poll_interval_s
@@ -244,8 +248,18 @@ class OpenSandboxProvider:
     def _create(self, name: str, spec: HostSpec, port: int, identity: str) -> SandboxSync:
         """Create ``name``'s sandbox (in a worker thread), rolling back every failed attempt."""
         from opensandbox.exceptions import SandboxException
+        from opensandbox.models.sandboxes import Host, Volume
         from opensandbox.sync import SandboxSync
 
+        volumes = [
+            Volume(
+                name=f"mount-{index}",
+                host=Host(path=mount.source),
+                mountPath=mount.target,
+                readOnly=mount.read_only,
+            )
+            for index, mount in enumerate(self.mounts)
+        ]
         listen = {"NMP_RUNTIME_HTTP_HOST": "127.0.0.1"} if self.host_network else {}
         environment = {
             **spec.host_environment(identity),
@@ -264,6 +278,7 @@ class OpenSandboxProvider:
                     timeout=timedelta(seconds=self.ttl_s),
                     ready_timeout=timedelta(seconds=spec.ready_timeout_s),
                     resource=self.resource,
+                    volumes=volumes or None,
                     connection_config=self._connection(),
                     skip_health_check=True,
                 )
