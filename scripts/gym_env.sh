@@ -9,6 +9,7 @@
 #   ${TRIO_GYM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/trio-gym}/nemo-gym-0.7.0
 # (outside the checkout) and reused while its marker says it was finished. A venv does not
 # survive being moved, so it is built in place: a half-built one (no marker) is removed first.
+# Beside it, nemo-gym-0.7.0-wheels: every wheel of its closure (see wheelhouse below).
 #
 # Exit 0 with the interpreter's path on stdout; 3 when no Python 3.13 is found (the real suite
 # then skips, saying why); anything else is a failed build.
@@ -20,7 +21,31 @@ cache=${TRIO_GYM_CACHE:-${XDG_CACHE_HOME:-$home/.cache}/trio-gym}
 venv=$cache/nemo-gym-$version
 marker=$venv/.trio-gym-complete
 
+wheels=$cache/nemo-gym-$version-wheels
+
+# Every wheel the environment holds, pip (uv's seed) among them: the complete closure a sandbox
+# builds Gym's per-server venvs from with no index (tests/test_gym_sandboxed.py), made once beside
+# the environment. About 360 MB.
+wheelhouse() {
+  [[ -f "$wheels/.trio-gym-complete" ]] && return 0
+  echo "gym_env.sh: downloading nemo-gym $version's wheels into $wheels" >&2
+  rm -rf "$wheels" "$wheels.part"
+  # Exactly what the environment holds (pip's resolver, asked again, picks other versions),
+  # each as a wheel: one is only an sdist (antlr4-python3-runtime 4.9.3), built here; nemo-gym
+  # itself is downloaded apart (pip wheel does not ignore its Requires-Python).
+  "$venv/bin/python" -m pip freeze --all --exclude-editable | grep -v '^nemo-gym==' \
+    >"$cache/wheels.txt"
+  { "$venv/bin/python" -m pip wheel --quiet --disable-pip-version-check --no-deps \
+      --wheel-dir "$wheels.part" -r "$cache/wheels.txt" &&
+    "$venv/bin/python" -m pip download --quiet --disable-pip-version-check --no-deps \
+      --ignore-requires-python --only-binary :all: --dest "$wheels.part" "nemo-gym==$version"
+  } >"$cache/wheels.log" 2>&1 || { tail -20 "$cache/wheels.log" >&2; exit 1; }
+  touch "$wheels.part/.trio-gym-complete"
+  mv "$wheels.part" "$wheels"
+}
+
 if [[ -f "$marker" ]]; then
+  wheelhouse
   echo "$venv/bin/python"
   exit 0
 fi
@@ -55,4 +80,5 @@ mkdir -p "$cache"
 "$venv/bin/python" -m pip check >&2
 "$venv/bin/python" -c "import nemo_gym.cli.main" >&2
 touch "$marker"
+wheelhouse
 echo "$venv/bin/python"

@@ -69,6 +69,13 @@ def real_gym_python() -> str | None:
     return str(venv / "bin" / "python") if (venv / ".trio-gym-complete").exists() else None
 
 
+def gym_wheelhouse(python: str) -> Path | None:
+    """Every wheel of nemo-gym's closure, beside the environment (``scripts/gym_env.sh``
+    downloads it), or ``None`` when it is not there."""
+    wheels = Path(python).parent.parent.with_name(f"nemo-gym-{VERSION}-wheels")
+    return wheels if (wheels / ".trio-gym-complete").exists() else None
+
+
 def gym_site(python: str) -> Path:
     """Where the installed nemo-gym keeps its shipped servers."""
     probe = "import nemo_gym, pathlib; print(pathlib.Path(nemo_gym.__file__).parent.parent)"

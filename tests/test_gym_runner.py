@@ -30,14 +30,17 @@ from trio_gym.host import Host
 from trio_gym.host.lifecycle import Failed
 from trio_gym.http import Endpoint, HttpLimits
 from trio_gym.install import load_package
+from trio_gym.processes.output import OutputTail
 from trio_gym.runners.deployment import START_POLL_S, wait_for_deployment
 from trio_gym.runners.gym import (
     DEPLOYMENT_VARIABLE,
+    INDEX_UNREACHABLE,
     GymStartFailed,
     check_ray_socket_paths,
     gym_environment,
     gym_global_config,
     gym_python,
+    index_unreachable,
     launch_argv,
 )
 
@@ -455,3 +458,47 @@ async def test_a_starting_deployment_is_seen_up_within_a_poll_and_its_wait_logge
     waits = [record for record in caplog.records if record.getMessage() == "deployment_not_ready"]
     assert 0 <= seen_after <= START_POLL_S
     assert len(waits) == 1  # the same reason all along: said once, not a line per look
+
+
+UV_SAYS = [
+    "(weather_tools) Creating virtual environment with seed packages at: /venvs/.venv",
+    "(weather_tools) error: Failed to install seed packages into virtual environment",
+    "(weather_tools)   cause: No solution found when resolving: `pip`",
+    "(weather_tools)   cause: Failed to fetch: http://127.0.0.1:9/simple/pip/",
+    "(weather_tools)   cause: Connection refused (os error 111)",
+    *(f"Traceback line {n}" for n in range(40)),  # what Gym prints after, far longer
+]
+
+
+async def test_the_first_index_failure_gym_prints_is_kept_past_the_tail() -> None:
+    output = OutputTail("gym", lines=5, remember=INDEX_UNREACHABLE)
+    sent, received = trio.testing.memory_stream_pair()
+    await sent.send_all("".join(f"{line}\n" for line in UV_SAYS).encode())
+    await sent.aclose()
+    await output.pump("output", received)
+    assert "Failed to fetch" not in output.text()  # long gone from the tail
+    assert output.remembered is not None
+    assert output.remembered["server"] == "weather_tools"
+    assert output.remembered["url"] == "http://127.0.0.1:9/simple/pip/"
+
+
+@pytest.mark.parametrize(
+    ("env", "advice"),
+    [
+        ({"UV_FIND_LINKS": "/w"}, "if the wheelhouse on UV_FIND_LINKS (the environment package's)"),
+        ({}, "make the index reachable, or give a wheelhouse that is a complete closure"),
+    ],
+    ids=["wheelhouse", "none"],
+)
+def test_an_unreachable_index_is_one_line_naming_it_the_server_and_the_switch(
+    env: dict[str, str], advice: str
+) -> None:
+    found = INDEX_UNREACHABLE.search(UV_SAYS[3])
+    cause = index_unreachable(found, env)
+    assert "\n" not in cause
+    assert "server weather_tools's venv" in cause
+    assert "(http://127.0.0.1:9/simple/pip/)" in cause
+    assert advice in cause and "NMP_ENVIRONMENT_OFFLINE=1" in cause
+    # Offline, uv asks no index: whatever it printed is not this.
+    assert index_unreachable(found, {**env, "UV_OFFLINE": "1"}) == ""
+    assert index_unreachable(None, env) == ""

@@ -3,7 +3,8 @@ through the project's own providers (Docker, and OpenSandbox with every byte thr
 server's proxy), starting the environment package's Gym deployment there, as a sandbox
 orchestrator launches it.
 
-The image is the platform suite's (Debian's Python with trio_gym); Gym's Python — the
+The image is the platform suite's (Debian's Python with trio_gym; this checkout's trio_gym is
+mounted over the image's, so the hosts run the code under test); Gym's Python — the
 environment ``scripts/gym_env.sh`` builds and the interpreter it was built on — is mounted
 read-only at the paths it was built at, as an operator's image would carry it (a venv holds
 absolute paths; copying 1.5 GB into an image per run would add a minute and prove nothing
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +32,13 @@ import attrs
 import pytest
 import trio
 
+from tests.packages import build_wheel
 from tests.platforms import (
     DOCKER,
     IMAGE,
     MOUNTS,
     containers,
+    docker,
     live_sandboxes,
     needs_docker,
     needs_opensandbox,
@@ -44,16 +48,18 @@ from tests.platforms import (
 from tests.processes import processes_with
 from tests.real_gym import (
     DEPLOYMENT_VARIABLE,
+    REPO,
     RealGym,
     by_identity,
     comparable,
     gym_global_config,
+    gym_wheelhouse,
     gyms_own_collection,
     prebuilt_venvs,
     row,
     weather_package,
 )
-from trio_gym.fleet import DockerProvider, HostSpec, Mount
+from trio_gym.fleet import DockerProvider, HostSpec, LaunchFailed, Mount
 from trio_gym.fleet.docker import LAUNCH_LABEL
 from trio_gym.trainer import RolloutClient, RolloutError
 from trio_gym.trainer.errors import Origin, Reach
@@ -76,6 +82,9 @@ class SandboxedGym:
     venvs: Path
     captures: Path
     mounts: tuple[Mount, ...]
+    gym_mounts: tuple[Mount, ...]
+    """What an operator's image carries: Gym's environment and the Python it was built on; and
+    this checkout's trio_gym over the image's (the image was built when the platform started)."""
 
     def spec(self, *, capture: bool = False, **environment: str) -> HostSpec:
         """Hosts that start the package's Gym deployment (capturing into :attr:`captures`)."""
@@ -99,6 +108,17 @@ class SandboxedGym:
         )
 
 
+def this_checkouts_code(copy: Path) -> Mount:
+    """This checkout's ``trio_gym`` (copied to where sandboxes may mount it), mounted where the
+    image has its own: the hosts run the code under test, whenever the image was built."""
+    shutil.copytree(REPO / "trio_gym", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    installed = docker(
+        "run", "--rm", "--network", "none", "--entrypoint", "/opt/venv/bin/python", IMAGE,
+        "-c", "import pathlib, trio_gym; print(pathlib.Path(trio_gym.__file__).parent)",
+    ).strip()  # fmt: skip
+    return Mount(str(copy), installed)
+
+
 @pytest.fixture(scope="module")
 def sandboxed_gym(real_gym: RealGym) -> Iterator[SandboxedGym]:
     if not MOUNTS:
@@ -113,30 +133,37 @@ def sandboxed_gym(real_gym: RealGym) -> Iterator[SandboxedGym]:
         base = subprocess.check_output(
             [real_gym.python, "-c", "import sys; print(sys.base_prefix)"], text=True
         ).strip()
+        gym_mounts = (
+            Mount.same_path(str(gym_venv)),
+            Mount.same_path(base),
+            this_checkouts_code(root / "trio_gym"),
+        )
         mounts = (
             Mount.same_path(str(root)),
             Mount.same_path(str(captures), read_only=False),
-            Mount.same_path(str(gym_venv)),
-            Mount.same_path(base),
+            *gym_mounts,
         )
-        yield SandboxedGym(real_gym, package, venvs, captures, mounts)
+        yield SandboxedGym(real_gym, package, venvs, captures, mounts, gym_mounts)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def docker_provider(gym: SandboxedGym) -> Any:
-    return DockerProvider(image=IMAGE, docker_host=DOCKER, mounts=gym.mounts, poll_interval_s=0.2)
+def docker_provider(mounts: Sequence[Mount]) -> Any:
+    # Gym prints every server's output: the cause of a failed start may be far above its end.
+    return DockerProvider(
+        image=IMAGE, docker_host=DOCKER, mounts=mounts, poll_interval_s=0.2, log_tail_lines=300
+    )
 
 
-def sandbox_provider(gym: SandboxedGym) -> Any:
-    return opensandbox_provider(mounts=gym.mounts, ports=range(18300, 18340))
+def sandbox_provider(mounts: Sequence[Mount]) -> Any:
+    return opensandbox_provider(mounts=mounts, ports=range(18300, 18340))
 
 
 PLATFORMS = [
     pytest.param(docker_provider, id="docker", marks=needs_docker),
     pytest.param(sandbox_provider, id="opensandbox", marks=needs_opensandbox),
 ]
-ProviderFactory = Callable[[SandboxedGym], Any]
+ProviderFactory = Callable[[Sequence[Mount]], Any]
 
 
 def ours_left() -> set[str]:
@@ -190,7 +217,7 @@ def container_of(provider: Any, handle: HostHandle) -> str:
 async def test_a_sandboxed_gym_answers_through_the_platform_as_gyms_own_collection_does(
     make_provider: ProviderFactory, sandboxed_gym: SandboxedGym, tmp_path: Path
 ) -> None:
-    provider = make_provider(sandboxed_gym)
+    provider = make_provider(sandboxed_gym.mounts)
     rows = [
         row("weather_agent", "what is the weather in sf?", 40),  # rewarded
         row("weather_agent", "weather [no-tool]", 41),  # rewarded 0
@@ -226,7 +253,7 @@ async def test_two_sandboxed_gyms_side_by_side_lose_one_mid_run_and_leave_nothin
     """Two deployments on the network the sandboxes share, each answering rows; one sandbox
     killed while both work: only the chunks it had taken fail, named; a replacement starts its
     own Gym and takes work; nothing is left of any of them."""
-    provider = make_provider(sandboxed_gym)
+    provider = make_provider(sandboxed_gym.mounts)
     settings = SchedulerSettings(per_host_in_flight=2, probe_interval_s=0.5, max_host_failures=50)
     with trio.fail_after(HANG_GUARD_S):
         async with (
@@ -277,3 +304,109 @@ async def test_two_sandboxed_gyms_side_by_side_lose_one_mid_run_and_leave_nothin
     if make_provider is sandbox_provider:
         await wait_until_gone(live_sandboxes)
         assert not sandbox_containers()
+
+
+# --- offline: the package's servers' venvs built in the sandbox from wheelhouses alone --------
+
+SERVER = "resources_servers/example_single_tool_call"
+
+
+@attrs.frozen
+class OfflineSetup:
+    spec: HostSpec
+    mounts: tuple[Mount, ...]
+    venvs: Path
+    index: str
+    """The index the environment names: a loopback port nothing listens on."""
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port  # closed now: a connection to it is refused
+
+
+def offline_setup(sandboxed: SandboxedGym, root: Path, *, offline: bool) -> OfflineSetup:
+    """A wheels-v1 package whose resources server needs a venv built at start (no prebuilt
+    one) from its requirements, which name the package's own wheel — which its app imports;
+    the operator's wheelhouse of nemo-gym's closure on ``UV_FIND_LINKS``; an index named and
+    unreachable."""
+    gym = sandboxed.gym
+    wheelhouse = gym_wheelhouse(gym.python)
+    if wheelhouse is None:
+        pytest.skip("nemo-gym's wheelhouse is not downloaded here: run scripts/gym_env.sh")
+    package = weather_package(root / "environment", gym.site)
+    manifest = package / "nemo-environment.yaml"
+    manifest.write_text(manifest.read_text().replace("native-v1", "wheels-v1"))
+    build_wheel(package / "wheels", "weather-units", "1.0.0", {"weather_units.py": "UNIT = 'C'\n"})
+    server = package / SERVER
+    requirements = server / "requirements.txt"
+    requirements.write_text(requirements.read_text() + "weather-units==1.0.0\n")
+    app = server / "app.py"
+    app.write_text("import weather_units  # noqa: F401 (the package's wheel)\n" + app.read_text())
+    venvs = prebuilt_venvs(root / "venvs", gym.python, leave_out=(SERVER,))
+    # nemo-gym 0.7.0 declares Python >= 3.13.14 and this machine's is 3.13.0 (where it runs):
+    # uv is told so, as pip is told with --ignore-requires-python when the environment is built.
+    uv_config = root / "uv.toml"
+    uv_config.write_text('[pip]\npython-version = "3.13.14"\n')
+    index = f"http://127.0.0.1:{closed_port()}/simple"
+    config = gym_global_config(gym.stub.url, venvs)
+    spec = sandboxed.spec(
+        NMP_ENVIRONMENT_PATH=str(package),
+        NMP_GYM_GLOBAL_CONFIG=json.dumps(config),
+        UV_INDEX_URL=index,
+        UV_FIND_LINKS=str(wheelhouse),
+        UV_CONFIG_FILE=str(uv_config),
+        UV_PYTHON_DOWNLOADS="never",
+        **({"NMP_ENVIRONMENT_OFFLINE": "1"} if offline else {}),
+    )
+    mounts = (
+        Mount.same_path(str(root), read_only=False),  # Gym builds the server's venv into it
+        Mount.same_path(str(wheelhouse)),
+        *sandboxed.gym_mounts,
+    )
+    return OfflineSetup(spec, mounts, venvs, index)
+
+
+@pytest.fixture
+def offline_root(sandboxed_gym: SandboxedGym) -> Iterator[Path]:
+    root = Path(tempfile.mkdtemp(prefix="offline-", dir=MOUNTS))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.mark.parametrize("make_provider", PLATFORMS)
+async def test_offline_a_packages_server_venv_is_built_in_the_sandbox_from_wheelhouses_alone(
+    make_provider: ProviderFactory, sandboxed_gym: SandboxedGym, offline_root: Path
+) -> None:
+    setup = offline_setup(sandboxed_gym, offline_root, offline=True)
+    provider = make_provider(setup.mounts)
+    with trio.fail_after(HANG_GUARD_S):
+        async with provider.hosts(1, setup.spec) as (handle,):
+            answered = await client_of(handle).run([row("weather_agent", "sf?", 0)])
+    assert answered[0]["reward"] == 1.0
+    # Built here, in the sandbox, not a link to a prebuilt one: with the package's wheel in it.
+    venv = setup.venvs / SERVER / ".venv"
+    assert not venv.is_symlink()
+    assert list(venv.glob("lib/python3.13/site-packages/weather_units-1.0.0.dist-info"))
+    assert list(venv.glob("lib/python3.13/site-packages/nemo_gym-0.7.0.dist-info"))
+    await wait_until_gone(ours_left)
+
+
+@pytest.mark.parametrize("make_provider", PLATFORMS)
+async def test_without_offline_the_unreachable_index_fails_the_start_naming_it_and_the_switch(
+    make_provider: ProviderFactory, sandboxed_gym: SandboxedGym, offline_root: Path
+) -> None:
+    setup = offline_setup(sandboxed_gym, offline_root, offline=False)
+    provider = make_provider(setup.mounts)
+    with trio.fail_after(HANG_GUARD_S), pytest.raises(LaunchFailed) as failed:
+        async with provider.hosts(1, setup.spec):
+            pass
+    said = str(failed.value)
+    cause = said.split("failed to start: ", 1)[1].splitlines()[0]
+    assert f"could not reach the package index ({setup.index}/" in cause, said
+    assert "turn environment_offline on (NMP_ENVIRONMENT_OFFLINE=1" in cause, said
+    await wait_until_gone(ours_left)

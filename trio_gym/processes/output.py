@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from typing import Final
 
@@ -14,10 +15,16 @@ TAIL_LINES: Final = 15
 
 
 class OutputTail:
-    """Logs every line a child prints as a ``process_output`` event and keeps the last few."""
+    """Logs every line a child prints as a ``process_output`` event and keeps the last few,
+    and the first line that matches ``remember``: a cause printed long before the end (uv's
+    error, above a server's traceback and Gym's own) is what a failure must name first."""
 
-    def __init__(self, process: str, lines: int = TAIL_LINES) -> None:
+    def __init__(
+        self, process: str, lines: int = TAIL_LINES, *, remember: re.Pattern[str] | None = None
+    ) -> None:
         self.process = process
+        self.remember = remember
+        self.remembered: re.Match[str] | None = None
         self._lines: deque[str] = deque(maxlen=lines)
         self._pending: dict[str, bytes] = {}
 
@@ -39,6 +46,8 @@ class OutputTail:
         text = line.decode("utf-8", "replace").rstrip()
         if text:
             self._lines.append(text)
+            if self.remembered is None and self.remember is not None:
+                self.remembered = self.remember.search(text)
             log_event("process_output", process=self.process, stream=stream_name, line=text)
 
     def text(self) -> str:

@@ -13,6 +13,7 @@ If the owner dies instead, the kernel closes the lifeline and the guard does the
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -104,11 +105,13 @@ async def run_process_tree(
     env: Mapping[str, str],
     cwd: str,
     stop_grace_s: float,
+    remember: re.Pattern[str] | None = None,
     task_status: trio.TaskStatus[ProcessTree] = trio.TASK_STATUS_IGNORED,
 ) -> int:
     """Start ``argv`` as a guarded tree, report it through ``task_status``, and return its
     status once it has ended by itself. Cancelled, it stops the tree first (see the module
-    docstring). Raises ``OSError`` if the guard cannot be started.
+    docstring). Its output keeps the first line matching ``remember``. Raises ``OSError`` if
+    the guard cannot be started.
     """
     # The guard is run by its file, in isolated mode: this very code and this interpreter's own
     # packages, whatever the working directory and PYTHONPATH (an environment's wheels) say.
@@ -126,7 +129,7 @@ async def run_process_tree(
     )
     assert guard.stdin is not None and guard.stdout is not None
     log_event("process_tree_started", process=name, guard_pid=guard.pid, argv=list(argv))
-    tree = ProcessTree(name, guard, OutputTail(name))
+    tree = ProcessTree(name, guard, OutputTail(name, remember=remember))
     try:
         async with trio.open_nursery() as running:
             running.start_soon(tree.output.pump, "output", guard.stdout)

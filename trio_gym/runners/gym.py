@@ -31,6 +31,7 @@ import contextlib
 import copy
 import importlib.util
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -46,6 +47,7 @@ import trio
 import yaml
 
 from trio_gym.config import ServeConfig
+from trio_gym.errors import bounded
 from trio_gym.http import Endpoint, HttpLimits, StreamOpener, open_tcp
 from trio_gym.install import EnvironmentPackage, InstallError, find_uv
 from trio_gym.logs import log_event
@@ -73,6 +75,11 @@ GLOBAL_CONFIG_NAME: Final = "trio-gym-global-config.yaml"
 # AF_UNIX socket paths are at most 107 bytes (108 with the terminating NUL) on Linux. Ray puts
 # its sockets at <temp>/ray/session_<date>_<time>_<microseconds>_<pid>/sockets/plasma_store,
 # its longest; the session's part is at most this long (a 7-digit pid).
+INDEX_UNREACHABLE: Final = re.compile(
+    r"^\((?P<server>[^)\s]+)\) .*Failed to fetch: `?(?P<url>[^\s`]+)"
+)
+"""uv's word, in Gym's output prefixed with the server it builds, that it could not reach an
+index: the first such line is the cause of a start that then fails."""
 UNIX_SOCKET_PATH_LIMIT: Final = 107
 RAY_SOCKET_EXAMPLE: Final = "ray/session_2026-12-02_14-07-46_123456_1234567/sockets/plasma_store"
 
@@ -230,8 +237,14 @@ def gym_environment(
     """The environment Gym runs in (see the module docstring)."""
     env = {name: value for name, value in environ.items() if name not in WITHHELD_VARIABLES}
     # As if Gym's environment were activated, as its users run it: its per-server builds ask uv
-    # for the Gym Python's version, which uv then finds first (not, say, a pyenv shim of it).
-    path = [str(Path(python).parent), *env.get("PATH", os.defpath).split(os.pathsep)]
+    # for the Gym Python's version, which uv then finds first (not, say, a pyenv shim of it) —
+    # its base interpreter, for `uv venv` takes no venv's: wherever that is (an image's own
+    # prefix, not on PATH), it follows.
+    path = [
+        str(Path(python).parent),
+        *venv_home(python),
+        *env.get("PATH", os.defpath).split(os.pathsep),
+    ]
     env["PATH"] = os.pathsep.join(dict.fromkeys(entry for entry in path if entry))
     for variable, value in (
         ("NMP_DATASET_PATH", config.dataset_path),
@@ -254,6 +267,43 @@ def gym_environment(
     env["PYTHONUNBUFFERED"] = "1"  # Gym's output reaches the log (and a failure's tail) as printed
     env[DEPLOYMENT_VARIABLE] = tag
     return env
+
+
+def index_unreachable(found: re.Match[str] | None, env: Mapping[str, str]) -> str:
+    """The one line that says why a server's venv could not be built when uv could not reach
+    an index (``found``: :data:`INDEX_UNREACHABLE`'s match), and which switch to turn; empty
+    when that is not what happened. uv asks the index even with a wheelhouse on
+    ``UV_FIND_LINKS``, unless it works offline."""
+    if found is None or env.get("UV_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return ""
+    said = (
+        f"Gym could not build server {found['server']}'s venv: uv could not reach the package "
+        f"index ({bounded(found['url'], 200)}) and works offline only when told to; "
+    )
+    if env.get("UV_FIND_LINKS"):
+        return said + (
+            "if the wheelhouse on UV_FIND_LINKS (the environment package's) is a complete "
+            "closure, turn environment_offline on (NMP_ENVIRONMENT_OFFLINE=1, or "
+            "environment_offline in the caller config); otherwise make the index reachable"
+        )
+    return said + (
+        "make the index reachable, or give a wheelhouse that is a complete closure (a wheels-v1 "
+        "package, or UV_FIND_LINKS) and turn environment_offline on (NMP_ENVIRONMENT_OFFLINE=1)"
+    )
+
+
+def venv_home(python: str) -> list[str]:
+    """The directory of the interpreter the venv of ``python`` was made from (``home`` in its
+    ``pyvenv.cfg``); none when ``python`` is not a venv's."""
+    try:
+        lines = (Path(python).parent.parent / "pyvenv.cfg").read_text().splitlines()
+    except OSError:
+        return []
+    for line in lines:
+        key, _, value = line.partition("=")
+        if key.strip() == "home" and value.strip():
+            return [value.strip()]
+    return []
 
 
 def _hydra_quoted(path: str) -> str:
@@ -371,6 +421,7 @@ class GymDeployment:
             env=env,
             cwd=str(work),
             stop_grace_s=self.config.gym_stop_grace_s,
+            remember=INDEX_UNREACHABLE,
         )
         failure: str | None = None
         self.state = "starting"
@@ -392,6 +443,8 @@ class GymDeployment:
                         output = tree.output.text()
                         return f"the Gym deployment exited with status {status}:\n{output}"
                     failure = f"{failure}{self._without_global_config()}\n{tree.output.text()}"
+                    if cause := index_unreachable(tree.output.remembered, env):
+                        failure = f"{cause}\n{failure}"
                     nursery.cancel_scope.cancel()  # stops the deployment
         finally:
             if self.state != "exited":
