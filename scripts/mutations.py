@@ -170,7 +170,10 @@ MUTATIONS = [
         "trio_gym/install/stage.py",
         '        environ["UV_OFFLINE"] = "1"',
         "        pass",
-        ("tests/test_install.py::test_wheels_install_and_are_found_by_children_and_by_uv_offline",),
+        (
+            "tests/test_install.py::test_wheels_install_and_are_found_by_children_and_by_uv_offline",
+            "tests/test_gym_sandboxed.py::test_offline_a_packages_server_venv_is_built_in_the_sandbox_from_wheelhouses_alone[docker]",
+        ),
     ),
     Mutation(
         "the config beats the operator's own UV_OFFLINE",
@@ -3568,6 +3571,70 @@ MUTATIONS = [
         "                if True:",
         (
             "tests/test_gym_runner.py::test_a_starting_deployment_is_seen_up_within_a_poll_and_its_wait_logged_once",
+        ),
+    ),
+    Mutation(
+        "Docker hosts get no mounts (#37)",
+        "trio_gym/fleet/docker.py",
+        "*publish, *binds,",
+        "*publish,",
+        (
+            "tests/test_gym_sandboxed.py::test_a_sandboxed_gym_answers_through_the_platform_as_gyms_own_collection_does[docker]",
+        ),
+    ),
+    Mutation(
+        "OpenSandbox sandboxes get no volumes (#37)",
+        "trio_gym/fleet/opensandbox.py",
+        "volumes=volumes or None,",
+        "volumes=None,",
+        (
+            "tests/test_opensandbox.py::test_hosts_run_in_sandboxes_and_are_killed_when_the_block_ends",
+            "tests/test_gym_sandboxed.py::test_a_sandboxed_gym_answers_through_the_platform_as_gyms_own_collection_does[opensandbox]",
+        ),
+    ),
+    Mutation(
+        "a mount is read-write unless said (#37)",
+        "trio_gym/fleet/launch.py",
+        "    read_only: bool = True\n",
+        "    read_only: bool = False\n",
+        (
+            "tests/test_opensandbox.py::test_hosts_run_in_sandboxes_and_are_killed_when_the_block_ends",
+        ),
+    ),
+    Mutation(
+        "Gym's per-server builds not given the venv's base interpreter (#37)",
+        "trio_gym/runners/gym.py",
+        "        *venv_home(python),\n",
+        "",
+        (
+            "tests/test_gym_sandboxed.py::test_offline_a_packages_server_venv_is_built_in_the_sandbox_from_wheelhouses_alone[docker]",
+        ),
+    ),
+    Mutation(
+        "an unreachable index is not named first (#37)",
+        "trio_gym/runners/gym.py",
+        '                        failure = f"{cause}\\n{failure}"',
+        "                        pass",
+        (
+            "tests/test_gym_sandboxed.py::test_without_offline_the_unreachable_index_fails_the_start_naming_it_and_the_switch[docker]",
+        ),
+    ),
+    Mutation(
+        "Gym's output forgets its first index failure once past the tail (#37)",
+        "trio_gym/processes/tree.py",
+        "OutputTail(name, remember=remember)",
+        "OutputTail(name)",
+        (
+            "tests/test_gym_sandboxed.py::test_without_offline_the_unreachable_index_fails_the_start_naming_it_and_the_switch[docker]",
+        ),
+    ),
+    Mutation(
+        "an offline host's uv output taken for an unreachable index (#37)",
+        "trio_gym/runners/gym.py",
+        'if found is None or env.get("UV_OFFLINE", "").lower() in ("1", "true", "yes"):',
+        "if found is None:",
+        (
+            "tests/test_gym_runner.py::test_an_unreachable_index_is_one_line_naming_it_the_server_and_the_switch",
         ),
     ),
 ]
